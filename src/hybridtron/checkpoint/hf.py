@@ -1,0 +1,176 @@
+"""Checkpoints in the Hugging Face layout, the canonical one: config.json + safetensors named as NVIDIA's are.
+
+On disk each routed expert is its own pair of tensors (`...mixer.experts.{e}.up_proj.weight`); in memory we stack
+them ([E, out, in]) for grouped GEMMs. The MTP block is stored under `mtp.layers.*` (transformers drops those keys;
+Megatron-Bridge and vLLM read them). Above `max_shard_bytes` the tensors are split into numbered shards with a
+`model.safetensors.index.json`. Router weight and bias are written and kept in fp32 whatever the model dtype.
+
+Loading also accepts what transformers itself may write: `model.` instead of `backbone.` and stacked experts.
+Every problem is reported at once: missing, unexpected and mis-shaped tensors, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hybridtron.config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
+STACKED_EXPERT = re.compile(r"^(.*\.experts)\.(up_proj|down_proj)$")
+PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+FP32_TENSORS = re.compile(r"\.gate\.(weight|e_score_correction_bias)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; the message lists every offending tensor."""
+
+
+def to_disk_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Our state dict with the stacked experts split per expert, as NVIDIA checkpoints store them."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        match = STACKED_EXPERT.match(name)
+        if match:
+            prefix, proj = match.groups()
+            for e, expert_weight in enumerate(tensor.unbind(0)):
+                out[f"{prefix}.{e}.{proj}.weight"] = expert_weight
+        else:
+            out[name] = tensor
+    return out
+
+
+def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    dtype: torch.dtype | None = None) -> None:
+    """Write config.json and the safetensors (sharded above `max_shard_bytes`) into `directory`, atomically:
+    the files are written into a temporary sibling directory which then replaces the target."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, tensor in to_disk_state(model).items():
+        if dtype is not None and tensor.is_floating_point() and not FP32_TENSORS.search(name):
+            tensor = tensor.to(dtype)
+        state[name] = tensor.detach().contiguous().cpu()
+
+    shards, current, current_bytes = [], {}, 0
+    for name, tensor in state.items():
+        if current and current_bytes + tensor.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = {}, 0
+        current[name] = tensor
+        current_bytes += tensor.nbytes
+    shards.append(current)
+
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    config_dict = model.config.to_hf()
+    config_dict["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    (staging / "config.json").write_text(json.dumps(config_dict, indent=2))
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], staging / SINGLE_FILE, metadata=metadata)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, staging / filename, metadata=metadata)
+            weight_map.update({name: filename for name in shard})
+        index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": weight_map}
+        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old")
+        if old.exists():
+            _remove_tree(old)
+        os.replace(directory, old)
+        os.replace(staging, directory)
+        _remove_tree(old)
+    else:
+        os.replace(staging, directory)
+
+
+def _remove_tree(path: Path) -> None:
+    for child in path.iterdir():
+        _remove_tree(child) if child.is_dir() else child.unlink()
+    path.rmdir()
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    index_path, single = directory / INDEX_FILE, directory / SINGLE_FILE
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif single.is_file():
+        files = [SINGLE_FILE]
+    else:
+        raise FileNotFoundError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    tensors = {}
+    for filename in files:
+        path = directory / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: shard listed in {INDEX_FILE} is missing")
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+def from_disk_state(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """Rename `model.` to `backbone.` and stack per-expert tensors into [E, out, in]."""
+    out, experts = {}, {}
+    for name, tensor in tensors.items():
+        if name.startswith("model."):
+            name = "backbone." + name[len("model."):]
+        match = PER_EXPERT.match(name)
+        if match:
+            prefix, e, proj = match.groups()
+            experts.setdefault(f"{prefix}.{proj}", {})[int(e)] = tensor
+        else:
+            out[name] = tensor
+    for name, per_expert in experts.items():
+        missing = [e for e in range(num_experts) if e not in per_expert]
+        extra = [e for e in per_expert if e >= num_experts]
+        if missing or extra:
+            raise CheckpointError(f"{name}: expert tensors missing for experts {missing}, unexpected for {extra} "
+                                  f"(config has n_routed_experts={num_experts})")
+        out[name] = torch.stack([per_expert[e] for e in range(num_experts)])
+    return out
+
+
+def load_pretrained(directory: str | Path, *, dtype: torch.dtype | None = None, device="cpu",
+                    config: ModelConfig | None = None, **config_overrides):
+    from hybridtron.model.lm import HybridLM
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: not a checkpoint directory")
+    config = config or ModelConfig.from_hf(directory)
+    if config_overrides:
+        config = config.replace(**config_overrides)
+    state = from_disk_state(read_tensors(directory), config.n_routed_experts)
+    if not config.has_mtp:  # a checkpoint with an MTP block loads into a model configured without one
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    model = HybridLM.on_meta(config)
+    expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = sorted(f"{k}: checkpoint {tuple(state[k].shape)}, model {tuple(expected[k].shape)}"
+                       for k in set(state) & set(expected) if state[k].shape != expected[k].shape)
+    if missing or unexpected or misshaped:
+        lines = [f"{directory}: checkpoint does not match its config.json"]
+        for title, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if names:
+                lines.append(f"  {title} ({len(names)}): " + ", ".join(names[:20]) + (" ..." if len(names) > 20 else ""))
+        raise CheckpointError("\n".join(lines))
+    for name, tensor in state.items():
+        target_dtype = torch.float32 if FP32_TENSORS.search(name) else (dtype or tensor.dtype)
+        state[name] = tensor.to(device=device, dtype=target_dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    return model

@@ -1,0 +1,49 @@
+"""`hybridtron <command>`: one entry point; each command lives beside the code it drives.
+
+Every command module defines `add_arguments(parser)` and `run(args) -> int | None`; its docstring's first
+line is the one-line help shown here. Modules load only when their command runs, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "pretrain": ("hybridtron.train.pretrain", "train a hybrid model from scratch on a bucketed data mixture"),
+    "precision": ("hybridtron.numerics.policy", "show which module runs in which number format, and FLOP shares"),
+    "branch": ("hybridtron.numerics.branch", "continue a checkpoint in NVFP4 and in BF16; report the loss gap"),
+    "report": ("hybridtron.train.report", "write an HTML stability report of a run (works while it runs)"),
+    "generate": ("hybridtron.infer.generate", "generate text from a checkpoint, streaming to the terminal"),
+    "serve": ("hybridtron.infer.server", "serve a checkpoint with an OpenAI-compatible HTTP API"),
+    "memory": ("hybridtron.infer.memory", "KV cache and Mamba state memory of a model at a context and batch"),
+    "mtp-boost": ("hybridtron.post.mtp_boost", "train only the MTP block to raise speculative acceptance"),
+}
+
+
+def build_parser(load: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, summary) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=summary, description=summary)
+        if name == load:
+            importlib.import_module(module_name).add_arguments(command_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(load=command if command in COMMANDS else None)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:  # a user's mistake: one clear line, no traceback
+        print(f"hybridtron {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Causal grouped-query attention with no positional encoding (the Mamba layers carry position).
+
+With a `KVCache`, the new tokens' keys and values are written at each sequence's current length and the
+queries attend to everything cached so far (sequences of the batch may have different lengths).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridtron.config import ModelConfig
+from hybridtron.infer.cache import KVCache
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def project(self, hidden_BTD: torch.Tensor):
+        q = self.q_proj(hidden_BTD).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_proj(hidden_BTD).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(hidden_BTD).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, hidden_BTD: torch.Tensor, kv: KVCache | None = None,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.project(hidden_BTD)
+        if kv is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v, mask = write_and_read(kv, k, v, lengths)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+def write_and_read(kv: KVCache, k_BHTD, v_BHTD, lengths: torch.Tensor):
+    """Write new keys/values at each sequence's length; return all cached keys/values and the causal mask."""
+    batch, _, new, _ = k_BHTD.shape
+    max_len = kv.k_BHTD.shape[2]
+    positions_BT = lengths[:, None] + torch.arange(new, device=lengths.device)
+    if int(positions_BT.max()) >= max_len:
+        raise ValueError(f"the KV cache holds {max_len} positions; this forward needs {int(positions_BT.max()) + 1}")
+    rows = torch.arange(batch, device=lengths.device)[:, None]
+    kv.k_BHTD[rows, :, positions_BT] = k_BHTD.transpose(1, 2).to(kv.k_BHTD.dtype)
+    kv.v_BHTD[rows, :, positions_BT] = v_BHTD.transpose(1, 2).to(kv.v_BHTD.dtype)
+    visible = int(positions_BT.max()) + 1
+    mask_BTS = torch.arange(visible, device=lengths.device)[None, None, :] <= positions_BT[:, :, None]
+    return (kv.k_BHTD[:, :, :visible].to(k_BHTD.dtype), kv.v_BHTD[:, :, :visible].to(v_BHTD.dtype),
+            mask_BTS[:, None])
+
+
+def attention_ref(attn: Attention, hidden_BTD: torch.Tensor) -> torch.Tensor:
+    """Explicit softmax(QK^T / sqrt(hd) + causal mask) V with K and V repeated per query group."""
+    q, k, v = attn.project(hidden_BTD)
+    repeat = attn.num_heads // attn.num_kv_heads
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * attn.head_dim ** -0.5
+    length = hidden_BTD.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=hidden_BTD.device).tril()
+    weights = torch.softmax(scores.float().masked_fill(~causal, float("-inf")), dim=-1).to(q.dtype)
+    return attn.o_proj((weights @ v).transpose(1, 2).flatten(-2))

@@ -1,0 +1,45 @@
+"""A residual block `h = h + mixer(norm(h))`, the mixer chosen by the layer kind."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridtron.config import ATTENTION, MAMBA, MLP as MLP_KIND, MOE, ModelConfig
+from hybridtron.model.attention import Attention
+from hybridtron.model.mamba2 import Mamba2Mixer
+from hybridtron.model.mlp import MLP
+from hybridtron.model.moe import MoE
+from hybridtron.model.norm import RMSNorm
+
+
+def build_mixer(kind: str, config: ModelConfig) -> nn.Module:
+    if kind == MAMBA:
+        return Mamba2Mixer(config)
+    if kind == ATTENTION:
+        return Attention(config)
+    if kind == MOE:
+        return MoE(config)
+    if kind == MLP_KIND:
+        return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def run_mixer(kind: str, mixer: nn.Module, normed_BTD: torch.Tensor, layer_cache=None, lengths=None):
+    """Attention reads and writes a KV cache, Mamba its state; the MLP and MoE need neither."""
+    if layer_cache is not None and kind == ATTENTION:
+        return mixer(normed_BTD, layer_cache, lengths)
+    if layer_cache is not None and kind == MAMBA:
+        return mixer(normed_BTD, layer_cache)
+    return mixer(normed_BTD)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = build_mixer(kind, config)
+
+    def forward(self, hidden_BTD: torch.Tensor, layer_cache=None, lengths=None) -> torch.Tensor:
+        return hidden_BTD + run_mixer(self.kind, self.mixer, self.norm(hidden_BTD), layer_cache, lengths)

@@ -1,0 +1,197 @@
+"""HybridLM: embed -> hybrid blocks -> norm_f -> lm_head, plus the shared MTP block applied D times.
+
+    logits  = lm_head(norm_f(blocks(embed(ids))))          no positional encoding, no embedding scaling
+    loss    = CE(logits) + mtp_loss_weight * mean_k CE(mtp_logits_k)
+
+Labels are already shifted: `labels[b, t]` is the token position t must predict, -100 where nothing is to be
+predicted (a document boundary, padding). Depth k at position t predicts `labels[t + k]`, and only where
+`labels[t .. t+k]` are all valid, so no MTP target crosses a boundary the packer marked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridtron.config import MOE, ModelConfig
+from hybridtron.model.block import Block
+from hybridtron.model.mamba2 import Mamba2Mixer
+from hybridtron.model.moe import MoE, Router, RoutedExperts
+from hybridtron.model.mtp import MTPBlock
+from hybridtron.model.norm import GatedGroupRMSNorm, RMSNorm
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
+    mtp_losses: list[torch.Tensor] = field(default_factory=list)
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)
+    expert_counts: torch.Tensor | None = None  # [backbone MoE layers, experts]
+    hidden: torch.Tensor | None = None
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, kind) for kind in config.layers_block_type)
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+
+
+def mtp_targets(labels_BT: torch.Tensor, depth: int) -> torch.Tensor:
+    """Depth-k targets: labels[t+k] where labels[t..t+k] are all valid, else IGNORE_INDEX."""
+    valid = labels_BT != IGNORE_INDEX
+    shifted = F.pad(labels_BT[:, depth:], (0, depth), value=IGNORE_INDEX)
+    chain_valid = valid.clone()
+    for offset in range(1, depth + 1):
+        chain_valid &= F.pad(valid[:, offset:], (0, offset), value=False)
+    return shifted.masked_fill(~chain_valid, IGNORE_INDEX)
+
+
+def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), ignore_index=IGNORE_INDEX)
+
+
+class HybridLM(nn.Module):
+    def __init__(self, config: ModelConfig, *, init: bool = True):
+        super().__init__()
+        self.config = config
+        self.backbone = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MTPBlock(config) if config.has_mtp else None
+        if init and not self.lm_head.weight.is_meta:
+            self.init_weights()
+
+    # ------------------------------------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """N(0, initializer_range) linears; Mamba's A_log = log(1..heads), D = 1, dt_bias = softplus^-1(dt) with dt
+        log-uniform in [time_step_min, time_step_max] floored at time_step_floor; Mamba out_proj scaled by
+        1/sqrt(n_layers) so the residual stream does not grow with depth."""
+        cfg, std = self.config, self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, (RMSNorm, GatedGroupRMSNorm)):
+                module.weight.fill_(1.0)
+            elif isinstance(module, Router):
+                module.weight.normal_(0.0, std, generator=generator)
+                module.e_score_correction_bias.zero_()
+            elif isinstance(module, RoutedExperts):
+                module.up_proj.normal_(0.0, std, generator=generator)
+                module.down_proj.normal_(0.0, std, generator=generator)
+        for module in self.modules():
+            if isinstance(module, Mamba2Mixer):
+                heads = module.num_heads
+                module.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+                module.D.fill_(1.0)
+                u = torch.rand(heads, generator=generator)
+                dt = torch.exp(u * (math.log(cfg.time_step_max) - math.log(cfg.time_step_min))
+                               + math.log(cfg.time_step_min)).clamp(min=cfg.time_step_floor)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+                fan_in = module.conv1d.weight.shape[-1]
+                module.conv1d.weight.uniform_(-fan_in ** -0.5, fan_in ** -0.5, generator=generator)
+                if module.conv1d.bias is not None:
+                    module.conv1d.bias.zero_()
+                if cfg.rescale_prenorm_residual:
+                    module.out_proj.weight.div_(math.sqrt(cfg.num_hidden_layers))
+
+    # -------------------------------------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
+                mtp: bool = True) -> LMOutput:
+        self._check_ids(input_ids)
+        embeddings = self.backbone.embeddings(input_ids)
+        hidden = embeddings
+        lengths = cache.lengths if cache is not None else None
+        for i, layer in enumerate(self.backbone.layers):
+            hidden = layer(hidden, cache.layers[i] if cache is not None else None, lengths)
+        hidden = self.backbone.norm_f(hidden)
+        logits = self.lm_head(hidden)
+        if cache is not None:
+            cache.lengths += input_ids.shape[1]
+        out = LMOutput(logits=logits, hidden=hidden, expert_counts=self.expert_counts())
+
+        if mtp and self.mtp is not None and cache is None:
+            previous = hidden
+            for depth in range(1, self.config.mtp_num_depths + 1):
+                # the embedding of token t+k; positions past the end see padding and are never scored
+                next_embedding = F.pad(embeddings[:, depth:], (0, 0, 0, depth))
+                previous = self.mtp(previous, next_embedding)
+                out.mtp_logits.append(self.lm_head(previous))
+
+        if labels is not None:
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            out.lm_loss = cross_entropy(logits, labels)
+            out.mtp_losses = [cross_entropy(mtp_logits, mtp_targets(labels, depth))
+                              for depth, mtp_logits in enumerate(out.mtp_logits, start=1)]
+            out.loss = out.lm_loss
+            if out.mtp_losses:
+                out.loss = out.loss + self.config.mtp_loss_weight * torch.stack(out.mtp_losses).mean()
+        return out
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"input_ids must be an integer tensor [batch, time], got {input_ids.dtype} "
+                             f"{tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+
+    # ---------------------------------------------------------------------------------------- introspection
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mixer for layer in self.backbone.layers if layer.kind == MOE]
+
+    def router_biases(self) -> list[torch.Tensor]:
+        return [moe.gate.e_score_correction_bias for moe in self.moe_layers()]
+
+    def expert_counts(self) -> torch.Tensor | None:
+        counts = [moe.last_expert_counts for moe in self.moe_layers()]
+        if not counts or any(c is None for c in counts):
+            return None
+        return torch.stack(counts)
+
+    def num_parameters(self, active: bool = False, include_mtp: bool = False) -> int:
+        """Parameters of the backbone and lm_head (the MTP block apart). `active`: what one token uses: the top-k
+        routed experts of each MoE layer, the shared expert and all other layers and lm_head, not the embedding
+        table. Works on a model built on the meta device."""
+        total = 0
+        for name, param in self.named_parameters():
+            if name.startswith("mtp.") and not include_mtp:
+                continue
+            count = param.numel()
+            if active:
+                if name == "backbone.embeddings.weight":
+                    continue
+                if ".experts.up_proj" in name or ".experts.down_proj" in name:
+                    count = count // self.config.n_routed_experts * self.config.num_experts_per_tok
+            total += count
+        return total
+
+    # --------------------------------------------------------------------------------------- checkpoints
+    def save_pretrained(self, directory: str | Path, **kwargs) -> None:
+        from hybridtron.checkpoint.hf import save_pretrained
+        save_pretrained(self, directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, **kwargs) -> "HybridLM":
+        from hybridtron.checkpoint.hf import load_pretrained
+        return load_pretrained(directory, **kwargs)
+
+    @classmethod
+    def on_meta(cls, config: ModelConfig) -> "HybridLM":
+        """The model's structure without memory: for counting parameters of large presets."""
+        with torch.device("meta"):
+            return cls(config, init=False)
+

@@ -1,0 +1,133 @@
+"""The Mamba-2 mixer: in_proj -> causal depthwise conv -> selective scan (SSD) -> gated group RMSNorm -> out_proj.
+
+    [z | xBC | dt] = in_proj(h)                  widths [d, d + 2GN, heads], d = heads * head_dim
+    xBC = SiLU(conv1d(xBC))                      causal, kernel K; z and dt are not convolved
+    x, B, C = split(xBC)                         B and C per group; head i reads group i // (heads / groups)
+    dt = clamp(softplus(dt + dt_bias), time_step_limit);  A = -exp(A_log)
+    S_t = exp(dt_t A) S_{t-1} + dt_t x_t (outer) B_t;  y_t = S_t C_t + D x_t
+    out = out_proj(w * GroupRMS(y * SiLU(z)))
+
+Prefill and training use the chunked scan (`ops.ssd.ssd_chunked`); decoding uses the one-token recurrence.
+Both continue from a `MambaState` (last K-1 conv inputs, SSM state) when one is given, and leave theirs in it.
+The scan runs in fp32 whatever the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridtron.config import ModelConfig
+from hybridtron.infer.cache import MambaState
+from hybridtron.model.norm import GatedGroupRMSNorm
+from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.n_groups = config.n_groups
+        self.state_size = config.ssm_state_size
+        self.chunk_size = config.chunk_size
+        self.time_step_limit = config.time_step_limit
+        self.inner_size = config.mamba_inner_size
+        self.conv_channels = self.inner_size + 2 * self.n_groups * self.state_size
+        self.in_proj = nn.Linear(config.hidden_size, self.inner_size + self.conv_channels + self.num_heads,
+                                 bias=config.use_bias)
+        self.conv1d = nn.Conv1d(self.conv_channels, self.conv_channels, config.conv_kernel,
+                                groups=self.conv_channels, bias=config.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GatedGroupRMSNorm(self.inner_size, self.inner_size // self.n_groups, config.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.inner_size, config.hidden_size, bias=config.use_bias)
+
+    # ---- pieces shared by the fast path and the reference
+    def split_projection(self, zxbcdt: torch.Tensor):
+        return zxbcdt.split([self.inner_size, self.conv_channels, self.num_heads], dim=-1)
+
+    def discretize(self, dt_raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dt [.., heads] fp32, A [heads] fp32)."""
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
+        return dt, -torch.exp(self.A_log.float())
+
+    def split_xbc(self, xBC: torch.Tensor):
+        group_width = self.n_groups * self.state_size
+        x, B, C = xBC.split([self.inner_size, group_width, group_width], dim=-1)
+        return (x.unflatten(-1, (self.num_heads, self.head_dim)),
+                B.unflatten(-1, (self.n_groups, self.state_size)),
+                C.unflatten(-1, (self.n_groups, self.state_size)))
+
+    def finish(self, y_BTHP: torch.Tensor, x_BTHP: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        y = y_BTHP + self.D.float()[:, None] * x_BTHP.float()
+        y = self.norm(y.flatten(-2).to(z.dtype), z)
+        return self.out_proj(y)
+
+    # ---- fast path
+    def forward(self, hidden_BTD: torch.Tensor, state: MambaState | None = None) -> torch.Tensor:
+        batch, length, _ = hidden_BTD.shape
+        z, xBC, dt_raw = self.split_projection(self.in_proj(hidden_BTD))
+        kernel = self.conv1d.kernel_size[0]
+        previous_BCK = state.conv_BCK.to(xBC.dtype) if state is not None else \
+            xBC.new_zeros(batch, self.conv_channels, kernel - 1)
+        conv_input_BCT = torch.cat([previous_BCK, xBC.transpose(1, 2)], dim=-1)
+        xBC = F.silu(F.conv1d(conv_input_BCT, self.conv1d.weight, self.conv1d.bias,
+                              groups=self.conv_channels)).transpose(1, 2)
+        x, B, C = self.split_xbc(xBC)
+        dt, A = self.discretize(dt_raw)
+        x_dt = x.float() * dt[..., None]
+        initial = state.ssm_BHPN.float() if state is not None else None
+
+        if state is not None and state.record_steps:  # keep every intermediate state (speculative verification)
+            ssm, ssm_steps, ys = initial, [], []
+            for t in range(length):
+                y_t, ssm = ssd_step(ssm, x_dt[:, t], dt[:, t] * A, B[:, t].float(), C[:, t].float())
+                ys.append(y_t)
+                ssm_steps.append(ssm)
+            y, final = torch.stack(ys, 1), ssm
+            state.ssm_steps = torch.stack(ssm_steps, 1).to(state.ssm_BHPN.dtype)
+            state.conv_steps = conv_input_BCT.unfold(-1, kernel - 1, 1)[:, :, 1:].permute(0, 2, 1, 3).contiguous()
+        elif length == 1 and state is not None:
+            y, final = ssd_step(initial, x_dt[:, 0], dt[:, 0] * A, B[:, 0].float(), C[:, 0].float())
+            y = y[:, None]
+        else:
+            y, final = ssd_chunked(x_dt, dt * A, B.float(), C.float(), self.chunk_size, initial)
+
+        if state is not None:
+            state.conv_BCK.copy_(conv_input_BCT[..., conv_input_BCT.shape[-1] - (kernel - 1):])
+            state.ssm_BHPN.copy_(final)
+        return self.finish(y, x, z)
+
+
+def mamba2_mixer_ref(mixer: Mamba2Mixer, hidden_BTD: torch.Tensor,
+                     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """Token-by-token reference: explicit conv taps and the naive recurrence. Returns (out, (conv, ssm) state)."""
+    batch, length, _ = hidden_BTD.shape
+    zxbcdt = hidden_BTD @ mixer.in_proj.weight.T
+    if mixer.in_proj.bias is not None:
+        zxbcdt = zxbcdt + mixer.in_proj.bias
+    z, xBC, dt_raw = mixer.split_projection(zxbcdt)
+    kernel = mixer.conv1d.kernel_size[0]
+    previous = initial_state[0].transpose(1, 2) if initial_state is not None else \
+        xBC.new_zeros(batch, kernel - 1, mixer.conv_channels)
+    padded = torch.cat([previous, xBC], dim=1)  # [B, K-1+T, C]
+    weight_CK = mixer.conv1d.weight[:, 0, :]
+    conv = sum(padded[:, tap:tap + length] * weight_CK[:, tap] for tap in range(kernel))
+    if mixer.conv1d.bias is not None:
+        conv = conv + mixer.conv1d.bias
+    x, B, C = mixer.split_xbc(conv * torch.sigmoid(conv))
+    dt, A = mixer.discretize(dt_raw)
+    y, final = ssd_ref(x.float() * dt[..., None], dt * A, B.float(), C.float(),
+                       initial_state_BHPN=initial_state[1] if initial_state is not None else None)
+    y = y + mixer.D.float()[:, None] * x.float()
+    gated = y.flatten(-2) * (z.float() * torch.sigmoid(z.float()))
+    groups = gated.unflatten(-1, (mixer.n_groups, -1))
+    normed = (groups / torch.sqrt(groups.pow(2).mean(-1, keepdim=True) + mixer.norm.eps)).flatten(-2)
+    out = (mixer.norm.weight * normed.to(z.dtype)) @ mixer.out_proj.weight.T
+    if mixer.out_proj.bias is not None:
+        out = out + mixer.out_proj.bias
+    return out, (padded[:, -(kernel - 1):].transpose(1, 2), final)

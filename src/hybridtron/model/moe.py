@@ -1,0 +1,126 @@
+"""LatentMoE: a sigmoid router with aux-loss-free balancing bias, routed experts at latent width, a shared expert.
+
+    s = sigmoid(x W_r^T)                                  fp32, full width
+    choose top-k of s + b (b = e_score_correction_bias)   b steers selection only (group-limited if n_group > 1)
+    w = s[chosen] / sum (norm_topk_prob) * routed_scaling_factor
+    y = fc2_latent( sum_k w_k * down_e(relu(up_e(fc1_latent(x)))^2) ) + shared(x)
+
+Without `moe_latent_size` the latent projections are absent and the experts work at full width. The router's
+weight and bias stay fp32 whatever the model dtype: the bias drifts to values near 2^6 where bf16 would erase the
+small differences that decide the selection. Each forward leaves the number of tokens routed to each expert in
+`last_expert_counts` (the balancing update and MaxVio read it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridtron.config import ModelConfig
+from hybridtron.model.mlp import MLP, relu2
+from hybridtron.ops.grouped_mm import grouped_mm
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.n_routed_experts
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) moves the router between devices but never lowers it below fp32.
+        weight32, bias32 = self.weight.data, self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:
+            self.weight.data = weight32.to(self.weight.device)
+        if self.e_score_correction_bias.dtype != torch.float32:
+            self.e_score_correction_bias = bias32.to(self.e_score_correction_bias.device)
+        return self
+
+    def forward(self, x_SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (expert ids [S, k], routing weights [S, k] fp32)."""
+        scores = torch.sigmoid(F.linear(x_SD.float(), self.weight))
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.unflatten(-1, (self.n_group, -1))
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            kept_groups = group_scores.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(-2)
+        expert_ids = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return expert_ids, weights * self.routed_scaling_factor
+
+
+class RoutedExperts(nn.Module):
+    """E squared-ReLU experts stored stacked ([E, out, in]); tokens are sorted by expert and run as grouped GEMMs.
+
+    `grouped_mm` is an attribute so that a precision converter can swap in a quantized grouped GEMM.
+    """
+
+    def __init__(self, num_experts: int, width: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, width))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, intermediate_size))
+        self.grouped_mm = grouped_mm
+
+    def forward(self, x_SL: torch.Tensor, expert_ids_SK: torch.Tensor, weights_SK: torch.Tensor) -> torch.Tensor:
+        top_k = expert_ids_SK.shape[1]
+        flat_expert = expert_ids_SK.flatten()
+        order = torch.argsort(flat_expert, stable=True)
+        token_of_row = order // top_k
+        group_sizes = torch.bincount(flat_expert, minlength=self.up_proj.shape[0])
+        hidden = relu2(self.grouped_mm(x_SL[token_of_row], self.up_proj, group_sizes))
+        rows = self.grouped_mm(hidden, self.down_proj, group_sizes)
+        rows = rows * weights_SK.flatten()[order, None].to(rows.dtype)
+        return torch.zeros_like(x_SL, dtype=rows.dtype).index_add_(0, token_of_row, rows)
+
+
+def routed_experts_ref(experts: RoutedExperts, x_SL, expert_ids_SK, weights_SK) -> torch.Tensor:
+    """The loop over experts that defines the result."""
+    out = torch.zeros_like(x_SL, dtype=torch.promote_types(x_SL.dtype, weights_SK.dtype))
+    for e in range(experts.up_proj.shape[0]):
+        token, slot = torch.where(expert_ids_SK == e)
+        if token.numel():
+            h = relu2(x_SL[token] @ experts.up_proj[e].T) @ experts.down_proj[e].T
+            out.index_add_(0, token, h * weights_SK[token, slot, None])
+    return out.to(x_SL.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.latent = config.moe_latent_size is not None
+        if self.latent:
+            self.fc1_latent_proj = nn.Linear(config.hidden_size, config.moe_latent_size, bias=config.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(config.moe_latent_size, config.hidden_size, bias=config.mlp_bias)
+        self.experts = RoutedExperts(config.n_routed_experts, config.expert_width, config.moe_intermediate_size)
+        self.shared_experts = MLP(config.hidden_size, config.moe_shared_expert_intermediate_size, config.mlp_bias)
+        self.last_expert_counts: torch.Tensor | None = None
+
+    def route(self, x_SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        expert_ids, weights = self.gate(x_SD)
+        self.last_expert_counts = torch.bincount(expert_ids.flatten(), minlength=self.gate.num_experts).detach()
+        return expert_ids, weights
+
+    def forward(self, hidden_BTD: torch.Tensor, experts_fn=None) -> torch.Tensor:
+        x_SD = hidden_BTD.flatten(0, -2)
+        expert_ids, weights = self.route(x_SD)
+        routed_in = self.fc1_latent_proj(x_SD) if self.latent else x_SD
+        routed = (experts_fn or self.experts)(routed_in, expert_ids, weights)
+        if self.latent:
+            routed = self.fc2_latent_proj(routed)
+        return (routed + self.shared_experts(x_SD)).view_as(hidden_BTD)
+
+
+def moe_ref(moe: MoE, hidden_BTD: torch.Tensor) -> torch.Tensor:
+    return moe(hidden_BTD, experts_fn=lambda x, ids, w: routed_experts_ref(moe.experts, x, ids, w))
