@@ -47,6 +47,7 @@ IGNORED_HF_KEYS = {
     "moe_shared_expert_overlap", "residual_in_fp32", "num_hidden_layers", "auto_map", "_name_or_path",
     "rope_theta", "rope_scaling", "partial_rotary_factor",
     "quantization_config", "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
+    "id2label", "label2id", "is_encoder_decoder", "problem_type",  # PreTrainedConfig.to_dict() writes these too
 }
 
 

@@ -105,17 +105,22 @@ def _remove_tree(path: Path) -> None:
 def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     index_path, single = directory / INDEX_FILE, directory / SINGLE_FILE
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: not a safetensors index (expected JSON with a 'weight_map' "
+                                  f"object; {type(exc).__name__}: {exc})") from None
         files = sorted(set(weight_map.values()))
     elif single.is_file():
         files = [SINGLE_FILE]
     else:
         raise FileNotFoundError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+    absent = [filename for filename in files if not (directory / filename).is_file()]
+    if absent:
+        raise FileNotFoundError(f"{directory}: shards listed in {INDEX_FILE} are missing: {', '.join(absent)}")
     tensors = {}
     for filename in files:
         path = directory / filename
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: shard listed in {INDEX_FILE} is missing")
         with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
                 tensors[name] = handle.get_tensor(name)
@@ -168,6 +173,9 @@ def load_pretrained(directory: str | Path, *, dtype: torch.dtype | None = None, 
         for title, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
             if names:
                 lines.append(f"  {title} ({len(names)}): " + ", ".join(names[:20]) + (" ..." if len(names) > 20 else ""))
+        if any(name.startswith("mtp.") for name in missing) and not any(name.startswith("mtp.") for name in state):
+            lines.append("  hint: the checkpoint has no MTP block (transformers drops the mtp.* tensors when it saves); "
+                         "load it without one: from_pretrained(directory, num_nextn_predict_layers=0)")
         raise CheckpointError("\n".join(lines))
     for name, tensor in state.items():
         target_dtype = torch.float32 if FP32_TENSORS.search(name) else (dtype or tensor.dtype)

@@ -64,8 +64,8 @@ class Mamba2Mixer(nn.Module):
 
     def finish(self, y_BTHP: torch.Tensor, x_BTHP: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         y = y_BTHP + self.D.float()[:, None] * x_BTHP.float()
-        y = self.norm(y.flatten(-2).to(z.dtype), z)
-        return self.out_proj(y)
+        # the gated norm reads the fp32 scan output (as mamba_ssm and transformers do); only its result is cast down
+        return self.out_proj(self.norm(y.flatten(-2), z).to(z.dtype))
 
     # ---- fast path
     def forward(self, hidden_BTD: torch.Tensor, state: MambaState | None = None) -> torch.Tensor:
@@ -81,6 +81,8 @@ class Mamba2Mixer(nn.Module):
         dt, A = self.discretize(dt_raw)
         x_dt = x.float() * dt[..., None]
         initial = state.ssm_BHPN.float() if state is not None else None
+        if initial is not None and torch.is_grad_enabled():
+            initial = initial.clone()  # the state is overwritten in place below, after autograd may have saved it
 
         if state is not None and state.record_steps:  # keep every intermediate state (speculative verification)
             ssm, ssm_steps, ys = initial, [], []

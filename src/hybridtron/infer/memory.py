@@ -1,0 +1,188 @@
+"""KV cache and Mamba state memory of a model at a context and batch.
+
+Attention layers cache one K and one V row per token: `attention layers * 2 * kv heads * head_dim * bytes`
+per token, growing with the context. Mamba-2 layers keep a constant state per sequence:
+  - SSM state [heads, head_dim, ssm_state_size] (fp32 by default; the report's figure of 384 MiB for Ultra is
+    this part only: 256 * 64 * 128 * 4 B * 48 layers),
+  - conv state [conv_kernel - 1, inner + 2 * n_groups * ssm_state_size]: the last K-1 conv inputs (bf16 by default,
+    the activation dtype), as vLLM and `hybridtron.infer.cache` keep it.
+An int8 SSM state (`hybridtron.infer.state_quant`) also stores one fp32 scale per block of 128 along the state axis.
+
+The crossover is the shortest context at which the KV cache of a sequence is at least as large as its Mamba state:
+below it the constant Mamba state dominates, above it the KV cache does. Ultra, FP8 KV, fp32 SSM + bf16 conv:
+6,144 B/token, 389 MiB of state, crossover at 66,400 tokens (65,536 = 64K counting the SSM state alone).
+
+`hybridtron memory --preset ultra3 --context 262144 --batch 8 --kv-dtype fp8 --state-dtype fp32`
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+from hybridtron.config import ATTENTION, MAMBA, PRESETS, ModelConfig, preset
+
+BYTES_PER_ELEMENT = {"fp8": 1, "int8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+KV_DTYPES = ("fp8", "bf16", "fp16", "fp32")
+STATE_DTYPES = ("fp32", "fp16", "bf16", "int8")
+CONV_DTYPES = ("fp32", "fp16", "bf16")
+INT8_BLOCK = 128  # elements per fp32 scale of an int8 SSM state, along ssm_state_size (as state_quant stores it)
+SCALE_BYTES = 4
+MiB = 1024 ** 2
+GiB = 1024 ** 3
+
+
+def _dtype_bytes(dtype: str, allowed: tuple[str, ...], field: str) -> int:
+    if dtype not in allowed:
+        raise ValueError(f"{field}: unknown dtype {dtype!r}; expected one of {', '.join(allowed)}")
+    return BYTES_PER_ELEMENT[dtype]
+
+
+def count_layers(config: ModelConfig, kind: str, include_mtp: bool = False) -> int:
+    """Layers of one kind in the backbone, plus those of the stored MTP block when `include_mtp`."""
+    count = sum(k == kind for k in config.layers_block_type)
+    if include_mtp and config.has_mtp:
+        count += sum(k == kind for k in config.mtp_layers_block_type)
+    return count
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: str = "fp8", include_mtp: bool = False) -> int:
+    """K and V of every attention layer for one token of one sequence.
+
+    include_mtp adds the MTP block's attention layer: a speculative decoder caches its keys and values too (one
+    cache for the stored block, shared by its depths, as vLLM lays it out).
+    """
+    element = _dtype_bytes(dtype, KV_DTYPES, "kv dtype")
+    layers = count_layers(config, ATTENTION, include_mtp)
+    return layers * 2 * config.num_key_value_heads * config.head_dim * element
+
+
+def ssm_state_bytes(config: ModelConfig, dtype: str = "fp32") -> int:
+    """SSM state of every Mamba layer for one sequence (with the fp32 block scales when int8)."""
+    element = _dtype_bytes(dtype, STATE_DTYPES, "state dtype")
+    rows = config.mamba_num_heads * config.mamba_head_dim
+    per_layer = rows * config.ssm_state_size * element
+    if dtype == "int8":
+        per_layer += rows * math.ceil(config.ssm_state_size / INT8_BLOCK) * SCALE_BYTES
+    return count_layers(config, MAMBA) * per_layer
+
+
+def conv_state_bytes(config: ModelConfig, dtype: str = "bf16") -> int:
+    """Conv state of every Mamba layer for one sequence: the last conv_kernel - 1 inputs of x, B and C."""
+    element = _dtype_bytes(dtype, CONV_DTYPES, "conv dtype")
+    channels = config.mamba_inner_size + 2 * config.n_groups * config.ssm_state_size
+    return count_layers(config, MAMBA) * (config.conv_kernel - 1) * channels * element
+
+
+def mamba_state_bytes(config: ModelConfig, dtype: str = "fp32", conv_dtype: str = "bf16") -> int:
+    """SSM + conv state of every Mamba layer for one sequence; constant in the context length."""
+    return ssm_state_bytes(config, dtype) + conv_state_bytes(config, conv_dtype)
+
+
+def crossover_context(kv_per_token: int, state_per_sequence: int) -> int | None:
+    """Shortest context where the KV cache of a sequence is >= its Mamba state; None if it never is (no KV)."""
+    if kv_per_token == 0:
+        return None if state_per_sequence > 0 else 0
+    return math.ceil(state_per_sequence / kv_per_token)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Everything `hybridtron memory` prints; bytes unless the name says otherwise."""
+
+    context: int
+    batch: int
+    kv_dtype: str
+    state_dtype: str
+    conv_dtype: str
+    attention_layers: int
+    mamba_layers: int
+    kv_per_token: int
+    ssm_state_per_sequence: int
+    conv_state_per_sequence: int
+    mamba_state_per_sequence: int
+    kv_total: int
+    mamba_total: int
+    total: int
+    crossover_tokens: int | None
+    crossover_ssm_only_tokens: int | None
+
+
+def memory_report(config: ModelConfig, context: int, batch: int = 1, kv_dtype: str = "fp8",
+                  state_dtype: str = "fp32", conv_dtype: str = "bf16", include_mtp: bool = False) -> MemoryReport:
+    """KV cache and Mamba state of `batch` sequences of `context` tokens each."""
+    for name, value in (("context", context), ("batch", batch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "context" else 1):
+            raise ValueError(f"{name} must be an integer >= {0 if name == 'context' else 1}, got {value!r}")
+    kv_per_token = kv_bytes_per_token(config, kv_dtype, include_mtp)
+    ssm = ssm_state_bytes(config, state_dtype)
+    conv = conv_state_bytes(config, conv_dtype)
+    kv_total = kv_per_token * context * batch
+    mamba_total = (ssm + conv) * batch
+    return MemoryReport(
+        context=context, batch=batch, kv_dtype=kv_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype,
+        attention_layers=count_layers(config, ATTENTION, include_mtp), mamba_layers=count_layers(config, MAMBA),
+        kv_per_token=kv_per_token, ssm_state_per_sequence=ssm, conv_state_per_sequence=conv,
+        mamba_state_per_sequence=ssm + conv, kv_total=kv_total, mamba_total=mamba_total,
+        total=kv_total + mamba_total, crossover_tokens=crossover_context(kv_per_token, ssm + conv),
+        crossover_ssm_only_tokens=crossover_context(kv_per_token, ssm),
+    )
+
+
+def human_bytes(n: int) -> str:
+    """`402653184` -> `384.00 MiB (402,653,184 B)`."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:,.2f} {unit} ({n:,} B)"
+    return f"{n:,} B"
+
+
+def format_report(report: MemoryReport, name: str) -> str:
+    r = report
+    crossover = ("never (no attention layers)" if r.crossover_tokens is None
+                 else f"{r.crossover_tokens:,} tokens (SSM state alone: {r.crossover_ssm_only_tokens:,})")
+    larger = "KV cache" if r.kv_total >= r.mamba_total else "Mamba state"
+    rows = [
+        (f"KV cache ({r.kv_dtype}) per token", human_bytes(r.kv_per_token)),
+        ("Mamba state per sequence", human_bytes(r.mamba_state_per_sequence)),
+        (f"  SSM state ({r.state_dtype})", human_bytes(r.ssm_state_per_sequence)),
+        (f"  conv state ({r.conv_dtype})", human_bytes(r.conv_state_per_sequence)),
+        ("KV cache total", human_bytes(r.kv_total)),
+        ("Mamba state total", human_bytes(r.mamba_total)),
+        ("total", f"{human_bytes(r.total)}  ({larger} is larger)"),
+        ("crossover (KV >= Mamba state)", crossover),
+    ]
+    header = (f"{name}: {r.attention_layers} attention layers, {r.mamba_layers} Mamba layers; "
+              f"context {r.context:,}, batch {r.batch}")
+    lines = [header] + [f"  {label + ':':<34}{value}" for label, value in rows]
+    return "\n".join(lines)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a built-in configuration (default: ultra3 when --config is not given)")
+    parser.add_argument("--config", default=None, help="a checkpoint directory or a config.json instead of --preset")
+    parser.add_argument("--context", type=int, default=None,
+                        help="tokens per sequence (default: the model's max_position_embeddings)")
+    parser.add_argument("--batch", type=int, default=1, help="sequences held at once")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp8")
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32", help="SSM state dtype")
+    parser.add_argument("--conv-dtype", choices=CONV_DTYPES, default="bf16", help="conv state dtype")
+    parser.add_argument("--include-mtp", action="store_true", help="count the MTP block's attention KV cache too")
+    parser.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
+
+
+def run(args) -> int:
+    if args.preset and args.config:
+        raise ValueError("give --preset or --config, not both")
+    if args.config:
+        config, name = ModelConfig.from_hf(args.config), args.config
+    else:
+        name = args.preset or "ultra3"
+        config = preset(name)
+    context = config.max_position_embeddings if args.context is None else args.context
+    report = memory_report(config, context, args.batch, args.kv_dtype, args.state_dtype, args.conv_dtype,
+                           args.include_mtp)
+    print(json.dumps(asdict(report)) if args.json else format_report(report, name))
+    return 0

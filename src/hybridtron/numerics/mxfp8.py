@@ -1,0 +1,148 @@
+"""MXFP8 (OCP microscaling, the comparison format): E4M3 elements, 32-element 1D blocks, UE8M0 scales.
+
+Recipe (NVIDIA's cuBLAS/TE MXFP8 scaling, torchao ``ScaleCalculationMode.RCEIL``)::
+
+    e     = clamp(ceil(log2(block_amax / 448)), -127, 127)     scale byte = e + 127 (UE8M0)
+    q_i   = e4m3_rne(x_i * 2^-e)                               |x_i * 2^-e| <= 448 by construction
+    x_hat = e4m3_value(q_i) * 2^e
+
+There is no per-tensor scale. Rounding the scale up means no element saturates; the price is up to one
+binade of range at the bottom of each block. ``ceil(log2(.))`` is computed exactly from the fp32 bits of
+``block_amax / 448`` (an all-zero block gets e = -127).
+
+Against torchao's ``MXTensor.to_mx(..., scaling_mode=RCEIL)`` on CPU: torchao takes ``ceil(torch.log2(.))``,
+whose fp32 log2 can round a quotient a few ulps above a power of two down to the power itself (one binade
+off), and for scale byte 0 it multiplies by 1 instead of 2^127. Neither occurs on ordinary data.
+
+Layout as in :mod:`hybridtron.numerics.nvfp4`: rows are all dims but ``dim``, blocks run along ``dim``
+(zero-padded to a multiple of 32). ``data`` holds E4M3 bytes [rows, cols_padded], ``scales`` UE8M0 bytes
+[rows, cols_padded/32]. ``quantize``/``dequantize``/``fake_quantize`` use exact fp32 bit tricks; the
+``*_ref`` twins use ``torch.log2``-free integer exponent arithmetic spelled out and torch's float8 cast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hybridtron.numerics.nvfp4 import (
+    E4M3_MAX,
+    _check_finite,
+    _from_block_matrix,
+    _to_block_matrix,
+    e4m3_from_bytes,
+    e4m3_round,
+    e4m3_to_bytes,
+)
+
+BLOCK_SIZE = 32
+E8M0_BIAS = 127
+
+
+@dataclass(frozen=True)
+class MXFP8Quantized:
+    """An MXFP8-quantized tensor: E4M3 element bytes and UE8M0 block-scale bytes."""
+
+    data: Tensor  # uint8 [rows, cols_padded], E4M3 bytes
+    scales: Tensor  # uint8 [rows, cols_padded // 32], biased exponents
+    shape: torch.Size
+    dim: int
+
+
+def _scale_exponent(block_amax: Tensor) -> Tensor:
+    """int32 ``clamp(ceil(log2(block_amax / 448)), -127, 127)``, exact (frexp: q = m * 2^k, m in [0.5, 1))."""
+    quotient = block_amax / E4M3_MAX
+    mantissa, exponent = torch.frexp(quotient)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # exact powers of two: log2 is exponent - 1
+    exponent = torch.where(quotient == 0, torch.full_like(exponent, -E8M0_BIAS), exponent)
+    return exponent.clamp_(-E8M0_BIAS, E8M0_BIAS).to(torch.int32)
+
+
+def _pow2(exponent: Tensor) -> Tensor:
+    """fp32 2^exponent for int32 exponents in [-127, 127] (2^-127 is subnormal: built by halving 2^-126)."""
+    normal = torch.bitwise_left_shift(exponent.clamp(min=-126) + 127, 23).view(torch.float32)
+    return torch.where(exponent < -126, normal * 0.5, normal)
+
+
+def _blocks(x: Tensor, dim: int) -> tuple[Tensor, int, Tensor]:
+    matrix, d = _to_block_matrix(x, dim, block_2d=False, block_size=BLOCK_SIZE)
+    rows, cols = matrix.shape
+    blocks = matrix.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
+    if blocks.numel():
+        block_min, block_max = torch.aminmax(blocks, dim=-1)
+        block_amax = torch.maximum(block_max, block_min.neg_())
+        _check_finite(block_amax.max(), "MXFP8 quantize")
+    else:
+        block_amax = blocks.new_zeros(blocks.shape[:2])
+    return blocks, d, _scale_exponent(block_amax)
+
+
+def _round_elements(blocks: Tensor, exponent: Tensor) -> Tensor:
+    """Signed E4M3 values of ``x * 2^-e`` (the multiply by a power of two is exact)."""
+    scaled = blocks * _pow2(-exponent)[:, :, None]
+    return torch.copysign(e4m3_round(scaled), scaled)
+
+
+def quantize(x: Tensor, *, dim: int = -1) -> MXFP8Quantized:
+    """Quantize ``x`` to MXFP8 with 32-element blocks along ``dim``."""
+    blocks, d, exponent = _blocks(x, dim)
+    data = e4m3_to_bytes(_round_elements(blocks, exponent)).view(blocks.shape[0], -1)
+    return MXFP8Quantized(data=data, scales=(exponent + E8M0_BIAS).to(torch.uint8), shape=x.shape, dim=d)
+
+
+def dequantize(q: MXFP8Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Values ``e4m3_value * 2^e`` in the original shape."""
+    rows = q.data.shape[0]
+    values = e4m3_from_bytes(q.data).view(rows, -1, BLOCK_SIZE)
+    scale = _pow2(q.scales.to(torch.int32) - E8M0_BIAS)
+    return _from_block_matrix((values * scale[:, :, None]).view(rows, -1), q.shape, q.dim).to(dtype)
+
+
+def fake_quantize(x: Tensor, *, dim: int = -1) -> Tensor:
+    """``dequantize(quantize(x))`` without the byte encoding; fp32, in x's shape."""
+    blocks, d, exponent = _blocks(x, dim)
+    values = _round_elements(blocks, exponent).mul_(_pow2(exponent)[:, :, None])
+    return _from_block_matrix(values.view(blocks.shape[0], -1), x.shape, d)
+
+
+def quantize_ref(x: Tensor, *, dim: int = -1) -> MXFP8Quantized:
+    """Reference twin of :func:`quantize`: exponent from the fp32 bit fields, torch's float8 cast."""
+    matrix, d = _to_block_matrix(x, dim, block_2d=False, block_size=BLOCK_SIZE)
+    rows, cols = matrix.shape
+    blocks = matrix.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
+    block_amax = blocks.abs().amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:2])
+    if block_amax.numel():
+        _check_finite(block_amax.max(), "MXFP8 quantize")
+    quotient_bits = (block_amax / E4M3_MAX).view(torch.int32).long()
+    biased_exponent, fraction = quotient_bits >> 23, quotient_bits & 0x7FFFFF
+    # ceil(log2(q)) for normal q: exponent, plus one unless q is a power of two. Subnormal or zero q
+    # (below 2^-126) all clamp to the bottom of the range, except q in (2^-127, 2^-126) -> -126.
+    ceil_log2 = torch.where(
+        biased_exponent > 0,
+        biased_exponent - 127 + (fraction != 0).long(),
+        torch.where(fraction > (1 << 22), torch.full_like(fraction, -126), torch.full_like(fraction, -127)),
+    )
+    exponent = ceil_log2.clamp(-E8M0_BIAS, E8M0_BIAS)
+    scale = torch.pow(2.0, exponent.double()).float()
+    elements = (blocks * (1.0 / scale)[:, :, None]).to(torch.float8_e4m3fn)
+    return MXFP8Quantized(
+        data=elements.view(torch.uint8).view(rows, cols),
+        scales=(exponent + E8M0_BIAS).to(torch.uint8),
+        shape=x.shape,
+        dim=d,
+    )
+
+
+def dequantize_ref(q: MXFP8Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Reference twin of :func:`dequantize`."""
+    rows = q.data.shape[0]
+    values = q.data.view(torch.float8_e4m3fn).to(torch.float32).view(rows, -1, BLOCK_SIZE)
+    scale = torch.pow(2.0, q.scales.double() - E8M0_BIAS).float()
+    return _from_block_matrix((values * scale[:, :, None]).view(rows, -1), q.shape, q.dim).to(dtype)
+
+
+def fake_quantize_ref(x: Tensor, *, dim: int = -1) -> Tensor:
+    """Reference twin of :func:`fake_quantize`."""
+    return dequantize_ref(quantize_ref(x, dim=dim))

@@ -1,0 +1,477 @@
+"""NVFP4: E2M1 elements, E4M3 block scales, an fp32 tensor scale -- bit-faithful to Transformer Engine.
+
+Recipe (TE's reference quantizer ``NVFP4QuantizerRef`` and its CUDA kernels, arXiv 2509.25149 App. B)::
+
+    amax  = max|x|                                   fp32, over the whole tensor
+    S_enc = min(448*6 / amax, FLT_MAX)               1 when amax == 0
+    S_dec = 1 / S_enc
+    s_b   = e4m3_rne(min(block_amax * (S_enc * fp32(1/6)), 448))   no lower clamp: subnormal or 0
+    enc_b = min(1 / (s_b * S_dec), FLT_MAX)          all-zero block: s_b = 0, enc_b = FLT_MAX
+    q_i   = e2m1_round(clamp(x_i * enc_b, -6, 6))    RNE (ties to the even code) or stochastic
+    x_hat = (e2m1_value(q_i) * s_b) * S_dec
+
+Every operation is one fp32 IEEE operation in that order, so the results match TE bit for bit. Two details
+follow TE's code rather than the shorthand of docs/SPEC-nvfp4.md: the block scale multiplies by
+``S_enc * fp32(1/6)`` (TE folds the 1/6 into the global multiplier) and a tiny amax whose ``448*6/amax``
+overflows gives ``S_enc = FLT_MAX`` (TE's ``fminf``), not 1. The sign of a value that rounds to zero is kept
+(code 8 is -0), as the hardware conversion and torchao do.
+
+Element E2M1: code = sign<<3 | index, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; two codes per byte with element
+2j in the low nibble. Blocks are 16 consecutive elements along ``dim`` (1x16), or 16x16 tiles of a matrix
+(``block_2d``) whose one scale is repeated for each of the tile's 16 rows, so W and W^T quantize to the same
+values. A block dimension that is not a multiple of 16 is zero-padded (padding never changes an amax);
+codes and scales keep the padded columns, dequantize crops them.
+
+Stochastic rounding rounds |y| up to the next E2M1 value with probability equal to its fractional distance
+(``u < frac`` with ``u = torch.rand`` drawn once for the padded matrix from the caller's generator).
+
+Non-finite input has no defined hardware behaviour, so it is rejected with a ValueError.
+
+Layout: the tensor is viewed as a matrix whose rows are all other dims (in order, after moving ``dim`` last)
+and whose columns run along ``dim``. ``codes`` is uint8 [rows, cols_padded/2], ``scales`` uint8
+[rows, cols_padded/16] holding E4M3 bytes.
+
+Against torchao's ``NVFP4Tensor`` (with ``per_tensor_scale = amax/2688``): scale bytes agree on normal data.
+torchao floors block scales at 2^-6 and writes 0x08 for an all-zero block; it also computes the element
+multiplier as ``(1/per_tensor_scale)/s_b`` rather than ``1/(s_b*S_dec)``, which differs by an ulp for some
+blocks, so a scaled value lying within that ulp of an E2M1 decision threshold can get the neighbouring code
+(about 1 element in 10^7 for Gaussian fp32 data, about 1 in 2,000 for bf16 data, whose coarse grid lands on
+thresholds more often). Its dequantization multiplies by ``per_tensor_scale * s_b`` (two roundings) where TE's
+chain has ``(v * s_b) * S_dec`` (one), so dequantized values can differ in the last bit.
+
+Fast path vs reference: ``quantize``/``dequantize``/``fake_quantize`` are vectorized, chunked over rows into
+reused buffers, and round with exact fp32 bit tricks (magic-number addition for RNE, fp16 subnormals to map
+E2M1/E4M3 values to their codes). ``quantize_ref``/``dequantize_ref``/``fake_quantize_ref`` spell the chain
+out with TE's threshold table and torch's float8 cast; the tests require the two to agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BLOCK_SIZE = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+FLT_MAX = torch.finfo(torch.float32).max
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# fp32 bit patterns used by the rounding tricks.
+_EXPONENT_MASK = 0x7F800000
+_ONE_BITS = 0x3F800000  # 1.0: smallest normal E2M1 value
+_E2M1_MAGIC_OFFSET = (22 << 23) | 0x400000  # turns 2^e into 1.5 * 2^(e+22): ulp = 2^(e-1)
+_E4M3_MIN_NORMAL_BITS = 0x3C800000  # 2^-6
+_E4M3_MAGIC_OFFSET = (20 << 23) | 0x400000  # turns 2^e into 1.5 * 2^(e+20): ulp = 2^(e-3)
+_RCP6 = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), as TE's constexpr 1.0f/6.0f
+_CHUNK_ELEMENTS = 1 << 18  # rows are processed in chunks of about this many elements (1 MiB of fp32)
+
+
+@dataclass(frozen=True)
+class NVFP4Quantized:
+    """An NVFP4-quantized tensor: packed E2M1 codes, E4M3 block-scale bytes and the fp32 tensor amax.
+
+    ``shape`` and ``dim`` describe the original tensor; ``block_2d`` whether scales belong to 16x16 tiles.
+    """
+
+    codes: Tensor  # uint8 [rows, cols_padded // 2]
+    scales: Tensor  # uint8 [rows, cols_padded // 16], E4M3 bytes
+    amax: Tensor  # fp32 scalar
+    shape: torch.Size
+    dim: int
+    block_2d: bool
+
+    @property
+    def global_encode_scale(self) -> Tensor:
+        return global_scales(self.amax)[0]
+
+    @property
+    def global_decode_scale(self) -> Tensor:
+        return global_scales(self.amax)[1]
+
+
+def global_scales(amax: Tensor) -> tuple[Tensor, Tensor]:
+    """TE's per-tensor scales ``(S_enc, S_dec)`` for an fp32 amax (S_enc = 1 when amax == 0)."""
+    amax = amax.to(torch.float32)
+    s_enc = torch.clamp(torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax, max=FLT_MAX)
+    s_enc = torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+    return s_enc, torch.reciprocal(s_enc)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# E4M3 helpers (also used by MXFP8)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def e4m3_round(x: Tensor) -> Tensor:
+    """Round fp32 values to the nearest E4M3 value (ties to even, subnormals down to 2^-9); fp32 out.
+
+    |x| must be at most 448 (callers clamp). Adding ``M = 1.5 * 2^20 * max(2^floor(log2|x|), 2^-6)`` puts the
+    sum in a binade whose ulp is exactly the E4M3 spacing at x, so the fp32 adder does the RNE rounding;
+    subtracting M back is exact. Zero results are +0.
+    """
+    magic = torch.bitwise_and(x.view(torch.int32), _EXPONENT_MASK)
+    magic = magic.clamp_(min=_E4M3_MIN_NORMAL_BITS).add_(_E4M3_MAGIC_OFFSET).view(torch.float32)
+    return (x + magic).sub_(magic)
+
+
+def e4m3_round_ref(x: Tensor) -> Tensor:
+    """Reference for :func:`e4m3_round`: torch's float8_e4m3fn cast (RNE); fp32 out."""
+    return x.to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def e4m3_to_bytes(values: Tensor) -> Tensor:
+    """E4M3 bytes (uint8) of fp32 tensors holding exact, finite E4M3 values (signed zeros kept).
+
+    ``values * 2^-8`` maps E4M3's smallest normal 2^-6 onto fp16's 2^-14, so E4M3 subnormals become fp16
+    subnormals and the E4M3 exponent+mantissa sit in fp16 bits 7..13.
+    """
+    h = (values * 2.0**-8).to(torch.float16).view(torch.int16)
+    magnitude = torch.bitwise_right_shift(h, 7).bitwise_and_(0x7F)
+    sign = torch.bitwise_right_shift(h, 8).bitwise_and_(0x80)
+    return magnitude.bitwise_or_(sign).to(torch.uint8)
+
+
+def e4m3_from_bytes(codes: Tensor) -> Tensor:
+    """fp32 values of E4M3 bytes (uint8); the inverse of :func:`e4m3_to_bytes` (0x7F/0xFF, NaN, unused)."""
+    b = codes.to(torch.int16)
+    h = torch.bitwise_and(b, 0x7F).bitwise_left_shift_(7)
+    h.bitwise_or_(torch.bitwise_and(b, 0x80).bitwise_left_shift_(8))
+    return h.view(torch.float16).to(torch.float32).mul_(2.0**8)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Layout: any tensor <-> a padded fp32 matrix with blocks along its rows
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _normalize_dim(x: Tensor, dim: int) -> int:
+    if not -x.ndim <= dim < max(x.ndim, 1):
+        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    return dim % x.ndim
+
+
+def _to_block_matrix(x: Tensor, dim: int, block_2d: bool, block_size: int = BLOCK_SIZE) -> tuple[Tensor, int]:
+    """x -> (fp32 contiguous [rows, cols padded to block_size], normalized dim)."""
+    if not x.is_floating_point():
+        raise ValueError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("quantize expects a tensor with at least one dimension, got a scalar")
+    if block_2d and x.ndim != 2:
+        raise ValueError(f"block_2d (16x16 tiles) needs a 2-D tensor, got shape {tuple(x.shape)}")
+    d = _normalize_dim(x, dim)
+    moved = x.movedim(d, -1)
+    cols = moved.shape[-1]
+    rows = moved.numel() // cols if cols else math.prod(moved.shape[:-1])
+    padded_cols = -(-cols // block_size) * block_size
+    if padded_cols == cols and moved.dtype == torch.float32 and moved.is_contiguous():
+        return moved.reshape(rows, cols), d
+    matrix = torch.empty((rows, padded_cols), dtype=torch.float32, device=x.device)
+    matrix[:, :cols].copy_(moved.reshape(rows, cols))
+    matrix[:, cols:].zero_()
+    return matrix, d
+
+
+def _from_block_matrix(matrix: Tensor, shape: torch.Size, dim: int) -> Tensor:
+    """Inverse of :func:`_to_block_matrix`: crop the padding, restore shape and dim order."""
+    moved_shape = list(shape)
+    moved_shape.append(moved_shape.pop(dim))
+    cropped = matrix[:, : moved_shape[-1]]
+    return cropped.reshape(moved_shape).movedim(-1, dim)
+
+
+def _check_finite(amax: Tensor, what: str) -> None:
+    if not bool(torch.isfinite(amax)):
+        raise ValueError(f"{what}: input contains NaN or Inf (max|x| = {amax.item()}); only finite values can be quantized")
+
+
+def _tile_amax(block_amax: Tensor) -> Tensor:
+    """[rows, col_blocks] 1x16 amaxes -> each 16x16 tile's amax, repeated for the tile's 16 rows."""
+    rows, col_blocks = block_amax.shape
+    padded = F.pad(block_amax, (0, 0, 0, (-rows) % BLOCK_SIZE))
+    tiles = padded.view(-1, BLOCK_SIZE, col_blocks).amax(dim=1)
+    return tiles.repeat_interleave(BLOCK_SIZE, dim=0)[:rows]
+
+
+def _new_uniform(matrix: Tensor, generator: torch.Generator | None) -> Tensor:
+    return torch.rand(matrix.shape, generator=generator, dtype=torch.float32, device=matrix.device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fast path
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _BlockScales:
+    amax: Tensor  # fp32 scalar
+    s_dec: Tensor  # fp32 scalar
+    scale: Tensor  # fp32 [rows, col_blocks]: E4M3 block scale values s_b
+    encode: Tensor  # fp32 [rows, col_blocks]: enc_b
+
+
+def _block_scales(matrix: Tensor, block_2d: bool) -> _BlockScales:
+    rows, cols = matrix.shape
+    blocks = matrix.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
+    if blocks.numel():
+        block_min, block_max = torch.aminmax(blocks, dim=-1)  # one pass; cheaper than abs().amax()
+        block_amax = torch.maximum(block_max, block_min.neg_())
+    else:
+        block_amax = blocks.new_zeros(blocks.shape[:2])
+    if block_2d:
+        block_amax = _tile_amax(block_amax)
+    amax = block_amax.max() if block_amax.numel() else matrix.new_zeros(())
+    _check_finite(amax, "NVFP4 quantize")
+    s_enc, s_dec = global_scales(amax)
+    scale = e4m3_round(torch.clamp(block_amax * (s_enc * _RCP6.to(matrix.device)), max=E4M3_MAX))
+    encode = torch.clamp(torch.reciprocal(scale * s_dec), max=FLT_MAX)
+    return _BlockScales(amax=amax, s_dec=s_dec, scale=scale, encode=encode)
+
+
+def _round_chunk(
+    x: Tensor, encode: Tensor, y: Tensor, work: Tensor, uniform: Tensor | None, spare: Tensor | None
+) -> None:
+    """y <- e2m1_round(clamp(x * encode, -6, 6)) with x's sign on zeros; x, y, work: [n, cols]."""
+    n, cols = x.shape
+    blocks = cols // BLOCK_SIZE
+    torch.mul(x.view(n, blocks, BLOCK_SIZE), encode[:, :, None], out=y.view(n, blocks, BLOCK_SIZE))
+    y.clamp_(-E2M1_MAX, E2M1_MAX)
+    # 2^floor(log2|y|), floored at 1.0: below 1 the E2M1 grid is uniform with spacing 0.5.
+    torch.bitwise_and(y.view(torch.int32), _EXPONENT_MASK, out=work)
+    work.clamp_(min=_ONE_BITS)
+    if uniform is None:
+        magic = work.add_(_E2M1_MAGIC_OFFSET).view(torch.float32)
+        y.add_(magic).sub_(magic)
+    else:
+        spacing = work.sub_(1 << 23).view(torch.float32)  # 0.5, 1 or 2: the grid step around |y|
+        assert spare is not None
+        quotient = torch.abs(y, out=spare).div_(spacing)  # exact: spacing is a power of two
+        torch.floor(quotient, out=y)
+        fraction = quotient.sub_(y)
+        y.add_(torch.lt(uniform, fraction)).mul_(spacing)
+    torch.copysign(y, x, out=y)
+
+
+def _round_matrix(matrix: Tensor, scales: _BlockScales, uniform: Tensor | None, emit) -> None:
+    """Round ``matrix`` chunk by chunk; ``emit(row0, row1, values)`` consumes each chunk's signed E2M1 values."""
+    rows, cols = matrix.shape
+    if matrix.numel() == 0:
+        return
+    chunk = max(1, _CHUNK_ELEMENTS // cols)
+    n = min(chunk, rows)
+    y = matrix.new_empty((n, cols))
+    work = torch.empty((n, cols), dtype=torch.int32, device=matrix.device)
+    spare = matrix.new_empty((n, cols)) if uniform is not None else None
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        m = r1 - r0
+        u = uniform[r0:r1] if uniform is not None else None
+        _round_chunk(matrix[r0:r1], scales.encode[r0:r1], y[:m], work[:m], u, None if spare is None else spare[:m])
+        emit(r0, r1, y[:m])
+
+
+def _pack_values(values: Tensor, half: Tensor, lo: Tensor, hi: Tensor, out: Tensor) -> None:
+    """Signed E2M1 values [n, cols] -> packed code bytes [n, cols/2] (element 2j in the low nibble).
+
+    ``values * 2^-14`` maps E2M1's smallest normal 1.0 onto fp16's 2^-14: 0.5 becomes an fp16 subnormal and
+    each code's index sits in fp16 bits 9..11 with the sign in bit 15. Two fp16 words read as one int32 hold
+    an element pair; the shifts below gather the two nibbles into the low byte.
+    """
+    half.copy_(values.mul_(2.0**-14))
+    pair = half.view(torch.int32)  # [n, cols/2]
+    torch.bitwise_right_shift(pair, 3, out=lo).bitwise_and_(0x10001000)  # sign bits 15, 31 -> 12, 28
+    torch.bitwise_and(pair, 0x0E000E00, out=hi).bitwise_or_(lo)  # nibbles at bits 9..12 and 25..28
+    hi.bitwise_right_shift_(9)  # nibbles at 0..3 and 16..19
+    torch.bitwise_right_shift(hi, 12, out=lo).bitwise_or_(hi).bitwise_and_(0xFF)
+    out.copy_(lo)
+
+
+def quantize(
+    x: Tensor,
+    *,
+    dim: int = -1,
+    block_2d: bool = False,
+    stochastic_rounding: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Quantized:
+    """Quantize ``x`` (fp32/bf16/fp16) to NVFP4 with 1x16 blocks along ``dim`` (or 16x16 tiles)."""
+    matrix, d = _to_block_matrix(x, dim, block_2d)
+    scales = _block_scales(matrix, block_2d)
+    uniform = _new_uniform(matrix, generator) if stochastic_rounding else None
+    rows, cols = matrix.shape
+    codes = torch.empty((rows, cols // 2), dtype=torch.uint8, device=x.device)
+    n = min(rows, max(1, _CHUNK_ELEMENTS // max(cols, 1))) if codes.numel() else 0
+    half = torch.empty((n, cols), dtype=torch.float16, device=x.device)
+    lo = torch.empty((n, cols // 2), dtype=torch.int32, device=x.device)
+    hi = torch.empty_like(lo)
+
+    def emit(r0: int, r1: int, values: Tensor) -> None:
+        m = r1 - r0
+        _pack_values(values, half[:m], lo[:m], hi[:m], codes[r0:r1])
+
+    _round_matrix(matrix, scales, uniform, emit)
+    return NVFP4Quantized(
+        codes=codes,
+        scales=e4m3_to_bytes(scales.scale),
+        amax=scales.amax,
+        shape=x.shape,
+        dim=d,
+        block_2d=block_2d,
+    )
+
+
+def dequantize(q: NVFP4Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Values ``(e2m1 * s_b) * S_dec`` of ``q`` in its original shape (fp32 unless ``dtype`` is given)."""
+    rows, cols = q.codes.shape[0], q.codes.shape[1] * 2
+    blocks = cols // BLOCK_SIZE
+    # s_b * 2^14 undoes the 2^-14 of the fp16 encoding below; both products are exact.
+    scale = e4m3_from_bytes(q.scales).mul_(2.0**14)
+    s_dec = global_scales(q.amax)[1]
+    out = torch.empty((rows, cols), dtype=torch.float32, device=q.codes.device)
+    if out.numel() == 0:
+        return _from_block_matrix(out, q.shape, q.dim).to(dtype)
+    chunk = max(1, _CHUNK_ELEMENTS // cols)
+    n = min(chunk, rows)
+    byte = torch.empty((n, cols // 2), dtype=torch.int32, device=q.codes.device)
+    sign = torch.empty_like(byte)
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        m = r1 - r0
+        b = byte[:m]
+        b.copy_(q.codes[r0:r1])
+        # One multiply copies the byte to two offsets at once (the copies do not overlap, so no carries):
+        # index bits 0..2 -> 9..11 and 4..6 -> 25..27, sign bits 3 -> 15 and 7 -> 31. The result read as two
+        # fp16 words is the element pair scaled by 2^-14 (see _pack_values).
+        s = torch.mul(b, (1 << 12) | (1 << 24), out=sign[:m]).bitwise_and_(-0x7FFF8000)  # 0x80008000
+        b.mul_((1 << 9) | (1 << 21)).bitwise_and_(0x0E000E00).bitwise_or_(s)
+        o = out[r0:r1]
+        o.copy_(b.view(torch.float16))
+        o.view(m, blocks, BLOCK_SIZE).mul_(scale[r0:r1, :, None])
+        o.mul_(s_dec)
+    return _from_block_matrix(out, q.shape, q.dim).to(dtype)
+
+
+def fake_quantize(
+    x: Tensor,
+    *,
+    dim: int = -1,
+    block_2d: bool = False,
+    stochastic_rounding: bool = False,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """``dequantize(quantize(x, ...))`` fused into one pass over the data; fp32, in x's shape."""
+    matrix, d = _to_block_matrix(x, dim, block_2d)
+    scales = _block_scales(matrix, block_2d)
+    uniform = _new_uniform(matrix, generator) if stochastic_rounding else None
+    rows, cols = matrix.shape
+    out = torch.empty_like(matrix)
+    blocks = cols // BLOCK_SIZE
+
+    def emit(r0: int, r1: int, values: Tensor) -> None:
+        o = out[r0:r1]
+        torch.mul(values.view(r1 - r0, blocks, BLOCK_SIZE), scales.scale[r0:r1, :, None], out=o.view(r1 - r0, blocks, BLOCK_SIZE))
+        o.mul_(scales.s_dec)
+
+    _round_matrix(matrix, scales, uniform, emit)
+    return _from_block_matrix(out, x.shape, d)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reference (TE's chain written out; slow, readable)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _e2m1_index_rne_ref(magnitude: Tensor) -> Tensor:
+    """E2M1 index 0..7 of |y| <= 6 by TE's threshold table (ties go to the even index)."""
+    thresholds_up_to_even = (  # (threshold, a tie rounds up)
+        (0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)
+    )
+    index = torch.zeros(magnitude.shape, dtype=torch.uint8, device=magnitude.device)
+    for threshold, tie_up in thresholds_up_to_even:
+        index += (magnitude >= threshold) if tie_up else (magnitude > threshold)
+    return index
+
+
+def _e2m1_index_sr_ref(magnitude: Tensor, uniform: Tensor) -> Tensor:
+    """Stochastic E2M1 index: round up with probability (|y| - lo) / (hi - lo)."""
+    grid = torch.tensor(E2M1_MAGNITUDES, device=magnitude.device)
+    lower = torch.searchsorted(grid, magnitude, right=True) - 1
+    upper = torch.clamp(lower + 1, max=len(E2M1_MAGNITUDES) - 1)
+    lo, hi = grid[lower], grid[upper]
+    fraction = torch.where(hi > lo, (magnitude - lo) / (hi - lo), torch.zeros_like(magnitude))
+    return (lower + (uniform < fraction).long()).to(torch.uint8)
+
+
+def quantize_ref(
+    x: Tensor,
+    *,
+    dim: int = -1,
+    block_2d: bool = False,
+    stochastic_rounding: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Quantized:
+    """Reference twin of :func:`quantize` (same arguments, same random draws, same result bit for bit)."""
+    matrix, d = _to_block_matrix(x, dim, block_2d)
+    rows, cols = matrix.shape
+    blocks = matrix.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
+    block_amax = blocks.abs().amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:2])
+    if block_2d:
+        block_amax = _tile_amax(block_amax)
+    amax = matrix.abs().max() if matrix.numel() else matrix.new_zeros(())
+    _check_finite(amax, "NVFP4 quantize")
+    s_enc, s_dec = global_scales(amax)
+    scale_e4m3 = torch.clamp(block_amax * (s_enc * _RCP6.to(x.device)), max=E4M3_MAX).to(torch.float8_e4m3fn)
+    encode = torch.clamp(1.0 / (scale_e4m3.to(torch.float32) * s_dec), max=FLT_MAX)
+    scaled = torch.clamp(blocks * encode[:, :, None], -E2M1_MAX, E2M1_MAX).view(rows, cols)
+    if stochastic_rounding:
+        index = _e2m1_index_sr_ref(scaled.abs(), _new_uniform(matrix, generator))
+    else:
+        index = _e2m1_index_rne_ref(scaled.abs())
+    codes = index | (torch.signbit(scaled).to(torch.uint8) << 3)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return NVFP4Quantized(
+        codes=packed,
+        scales=scale_e4m3.view(torch.uint8),
+        amax=amax,
+        shape=x.shape,
+        dim=d,
+        block_2d=block_2d,
+    )
+
+
+def unpack_codes(codes: Tensor) -> Tensor:
+    """Packed bytes [..., n] -> E2M1 codes [..., 2n] (uint8, 0..15), element 2j from the low nibble."""
+    return torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2)
+
+
+def e2m1_values(codes: Tensor) -> Tensor:
+    """fp32 values of unpacked E2M1 codes (code 8 is -0.0)."""
+    table = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), device=codes.device)
+    return table[codes.long()]
+
+
+def dequantize_ref(q: NVFP4Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Reference twin of :func:`dequantize`."""
+    values = e2m1_values(unpack_codes(q.codes))
+    rows, cols = values.shape
+    scale = q.scales.view(torch.float8_e4m3fn).to(torch.float32)
+    s_dec = global_scales(q.amax)[1]
+    blocks = values.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
+    out = (blocks * scale[:, :, None]) * s_dec
+    return _from_block_matrix(out.view(rows, cols), q.shape, q.dim).to(dtype)
+
+
+def fake_quantize_ref(
+    x: Tensor,
+    *,
+    dim: int = -1,
+    block_2d: bool = False,
+    stochastic_rounding: bool = False,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Reference twin of :func:`fake_quantize`."""
+    q = quantize_ref(x, dim=dim, block_2d=block_2d, stochastic_rounding=stochastic_rounding, generator=generator)
+    return dequantize_ref(q)

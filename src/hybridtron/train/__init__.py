@@ -1,0 +1,1 @@
+"""Pretraining: the loop, its hooks (metrics, validation, checkpoints, stability), schedule and balancing."""

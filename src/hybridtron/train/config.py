@@ -1,0 +1,185 @@
+"""Run configuration: `[model]`, `[data]`, `[train]` and `[monitor]` sections, from a preset, a TOML file and `--set`
+overrides (`[monitor]`: the stability monitor's thresholds and responses, hybridtron.train.monitor.MonitorConfig).
+
+Every section is a frozen dataclass; an override `train.lr=3e-4` is parsed by the type of the field it names, and an
+unknown section or field is an error that lists what exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hybridtron.config import ModelConfig, preset
+from hybridtron.data import DataConfig
+from hybridtron.train.monitor import MonitorConfig
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 600  # optimizer steps
+    grad_accum: int = 1  # micro-batches per optimizer step (gradients summed in fp32)
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
+    warmup_steps: int = 40  # linear warmup
+    decay_fraction: float = 0.25  # warmup-stable-decay: the last share of steps decays linearly
+    weight_decay: float = 0.1  # AdamW, on matrices only (not norms, biases, embeddings' rows? yes: all 2D+)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient L2 norm (0 = off)
+    precision: str = "fp32"  # fp32 | bf16 (autocast) | nvfp4 | mxfp8 (emulated, by the precision policy)
+    grad_accum_dtype: str = "fp32"  # dtype of the output layer's gradient accumulation across micro-batches
+    mtp_loss_weight: float | None = None  # None: the model config's (0.1 in total over the depths)
+    router_bias_rate: float = 1e-3  # aux-loss-free balancing: b_i += u * sign(mean load - load_i) every step
+    maxvio_window: int = 20  # steps over which MaxVio counts expert loads
+    val_every: int = 50  # held-out validation loss every N steps (and at step 0 and the end)
+    log_every: int = 1
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3  # keep the last K checkpoints
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+
+    def validate(self) -> None:
+        for name in ("steps", "grad_accum", "val_every", "log_every",
+                     "checkpoint_every", "keep_checkpoints", "maxvio_window"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"train.lr must be a positive finite number, got {self.lr}")
+        if not 0 <= self.decay_fraction <= 1:
+            raise ValueError(f"train.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        if self.precision not in ("fp32", "bf16", "nvfp4", "mxfp8"):
+            raise ValueError(f"train.precision must be one of fp32, bf16, nvfp4, mxfp8; got {self.precision!r}")
+        if self.grad_accum_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"train.grad_accum_dtype must be fp32 or bf16, got {self.grad_accum_dtype!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=lambda: preset("tiny"))
+    data: DataConfig = field(default_factory=lambda: DataConfig(seq_len=256, batch_size=8))  # batch shape here
+    train: TrainConfig = field(default_factory=TrainConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_hf(), "data": _plain(self.data), "train": _plain(self.train),
+                "monitor": _plain(self.monitor)}
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> "RunConfig":
+        raw = json.loads(path.read_text())
+        return cls(model=ModelConfig.from_hf(raw["model"]), data=_build(DataConfig, raw["data"], "data"),
+                   train=_build(TrainConfig, raw["train"], "train"),
+                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"))
+
+
+def _plain(obj) -> dict:
+    return {f.name: (list(v) if isinstance(v := getattr(obj, f.name), tuple) else v)
+            for f in dataclasses.fields(obj)}
+
+
+def _build(cls, values: dict, section: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {section} fields {unknown}; known: {', '.join(sorted(known))}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _coerce(v, hints[k], f"{section}.{k}") for k, v in values.items()})
+
+
+def _coerce(value: Any, hint, name: str):
+    """Convert `value` (a TOML value or an override string) to the field's type."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[0] if errors else f"{name}: cannot parse {value!r}")
+    if origin is tuple:
+        items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v]
+        inner = args[0] if args else str
+        return tuple(_coerce(v, inner, name) for v in items)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in ("true", "1", "yes", "on"):
+            return True
+        if str(value).lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected true or false, got {value!r}")
+    if hint in (int, float, str):
+        if hint is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{name}: expected an integer, got {value!r}")
+        try:
+            return hint(float(value)) if hint is int and isinstance(value, str) and "e" in value.lower() \
+                else hint(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}: expected {hint.__name__}, got {value!r}") from None
+    return value
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ValueError(f"--set {text!r}: expected SECTION.FIELD=VALUE, e.g. train.lr=3e-4")
+    key, value = text.split("=", 1)
+    section, name = key.split(".", 1)
+    return section.strip(), name.strip(), value.strip()
+
+
+def build_run_config(base_preset: str = "tiny", toml_path: str | None = None, overrides: list[str] = (),
+                     base: RunConfig | None = None) -> RunConfig:
+    """preset (or a saved run's config) <- TOML file <- --set overrides, in that order."""
+    sections: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "train": {}, "monitor": {}}
+    if toml_path is not None:
+        path = Path(toml_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: config file not found")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: invalid TOML ({exc})") from None
+        for section, values in raw.items():
+            if section not in sections or not isinstance(values, dict):
+                raise ValueError(f"{path}: unknown section [{section}]; expected [model], [data], [train], [monitor]")
+            sections[section].update(values)
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section not in sections:
+            raise ValueError(f"--set {text!r}: unknown section {section!r}; expected model, data, train or monitor")
+        sections[section][name] = value
+
+    run = base or RunConfig(model=preset(base_preset))
+    model_hints = typing.get_type_hints(ModelConfig)
+    unknown = sorted(set(sections["model"]) - set(model_hints))
+    if unknown:
+        raise ValueError(f"unknown model fields {unknown}")
+    model_changes = {k: _coerce(v, model_hints[k], f"model.{k}") for k, v in sections["model"].items()}
+    data = _build(DataConfig, {**_plain(run.data), **sections["data"]}, "data")
+    train = _build(TrainConfig, {**_plain(run.train), **sections["train"]}, "train")
+    train.validate()
+    monitor = _build(MonitorConfig, {**_plain(run.monitor), **sections["monitor"]}, "monitor")
+    monitor.validate()
+    return RunConfig(model=run.model.replace(**model_changes), data=data, train=train, monitor=monitor)

@@ -1,0 +1,186 @@
+"""Plain generation: batched chunked prefill, decode against the full forward, sampling, stops, limits, text, CLI."""
+
+import pytest
+import torch
+
+from hybridtron.cli import main
+from hybridtron.data.tokenizer import Tokenizer
+from hybridtron.infer.generate import Decoder, TextStream, generate, stream_text
+from hybridtron.infer.sampling import SamplingParams
+from hybridtron.model.lm import HybridLM
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+@pytest.fixture
+def model(small_config):
+    return HybridLM(small_config()).eval()
+
+
+def random_prompts(vocab, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_batched_greedy_decode_equals_the_full_forward(model):
+    """Prompts of different lengths in one batch: every generated token is the argmax of the model's no-cache
+    forward over the prompt and the tokens before it (teacher forcing)."""
+    prompts = random_prompts(model.config.vocab_size, [5, 1, 17, 9])
+    outputs = generate(model, prompts, GREEDY)
+    for prompt, tokens in zip(prompts, outputs):
+        assert len(tokens) == GREEDY.max_tokens
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0]
+        assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == tokens
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_chunked_prefill_matches_one_pass(model, chunk):
+    prompts = random_prompts(model.config.vocab_size, [19, 6])
+    whole = Decoder(model, prompts, GREEDY, prefill_chunk=64)
+    chunked = Decoder(model, prompts, GREEDY, prefill_chunk=chunk)
+    torch.testing.assert_close(chunked.next_logits_BV, whole.next_logits_BV, rtol=1e-5, atol=1e-5)
+    assert generate(model, prompts, GREEDY, prefill_chunk=chunk) == generate(model, prompts, GREEDY)
+
+
+def test_sampling_is_seeded_and_filtered(model):
+    prompts = random_prompts(model.config.vocab_size, [4, 8])
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=7)
+    first, again = generate(model, prompts, params), generate(model, prompts, params)
+    other = generate(model, prompts, SamplingParams(temperature=1.0, max_tokens=10, seed=8))
+    assert first == again and first != other
+    assert generate(model, prompts, SamplingParams(top_k=1, max_tokens=10, seed=3)) == \
+        generate(model, prompts, SamplingParams(temperature=0, max_tokens=10))
+    # top_k = 5: every sampled token is among the 5 most likely ones under teacher forcing
+    tokens = generate(model, prompts[:1], SamplingParams(top_k=5, max_tokens=10, seed=1))[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[0] + tokens])).logits[0, len(prompts[0]) - 1:-1]
+    top5 = logits.topk(5, dim=-1).indices
+    assert all(token in top5[i].tolist() for i, token in enumerate(tokens))
+
+
+def test_stop_tokens_max_tokens_and_finish_reasons(model):
+    prompts = random_prompts(model.config.vocab_size, [6, 3])
+    free = generate(model, prompts, GREEDY)
+    stop_token = free[0][4]
+    first_stop = free[0].index(stop_token)
+    decoder = Decoder(model, prompts, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_token,)))
+    for _ in decoder:
+        pass
+    assert decoder.sequences[0].tokens == free[0][:first_stop + 1]
+    assert decoder.sequences[0].finish_reason == "stop"
+    if stop_token not in free[1]:
+        assert decoder.sequences[1].tokens == free[1] and decoder.sequences[1].finish_reason == "length"
+    assert generate(model, prompts, SamplingParams(temperature=0, max_tokens=0)) == [[], []]
+    assert generate(model, prompts, SamplingParams(temperature=0, max_tokens=3)) == [t[:3] for t in free]
+
+
+def test_context_limit(model):
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"prompt 1 has {limit} tokens.*at most {limit - 1}"):
+        Decoder(model, [[5], [5] * limit], GREEDY)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        Decoder(model, [[]], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        Decoder(model, [[model.config.vocab_size]], GREEDY)
+    with pytest.raises(ValueError, match="max_context"):
+        Decoder(model, [[5]], GREEDY, max_context=limit + 1)
+    # a small context: generation stops when prompt + generated tokens fill it
+    decoder = Decoder(model, [[5] * 6, [7] * 2], SamplingParams(temperature=0, max_tokens=50), max_context=10)
+    for _ in decoder:
+        pass
+    assert [len(s.tokens) for s in decoder.sequences] == [4, 8]
+    assert [s.finish_reason for s in decoder.sequences] == ["length", "length"]
+    free = generate(model, [[7] * 2], SamplingParams(temperature=0, max_tokens=8))
+    assert decoder.sequences[1].tokens == free[0]
+
+
+def test_state_quant_generation_runs_and_stays_close(model):
+    prompts = random_prompts(model.config.vocab_size, [5, 9])
+    base = Decoder(model, prompts, GREEDY)
+    rounded = Decoder(model, prompts, GREEDY, state_quant="fp16_sr")
+    torch.testing.assert_close(rounded.next_logits_BV, base.next_logits_BV, rtol=1e-2, atol=1e-3)
+    assert len(generate(model, prompts, GREEDY, state_quant="int8_rtn")[0]) == GREEDY.max_tokens
+
+
+# ------------------------------------------------------------------------------------------------------ text
+@pytest.fixture(scope="module")
+def tokenizer():
+    text = ("def generate(model, prompt):\n    return model(prompt)  # héllo wörld 🙂\n" * 40
+            + "The quick brown fox jumps over the lazy dog. " * 40)
+    return Tokenizer.train([text], 600)
+
+
+def test_text_stream_concatenates_to_the_decoded_text(tokenizer):
+    text = "héllo 🙂 wörld, the lazy dog"
+    ids = [b for ch in text for b in tokenizer.encode(ch)]  # per-character tokens: multi-byte ones split
+    stream = TextStream(tokenizer.decode)
+    pieces = [stream.push(t)[0] for t in ids] + [stream.finish()]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in piece for piece in pieces)
+
+
+@pytest.mark.parametrize("stop, expected", [("wörld", "héllo 🙂 "), ("lazy", "héllo 🙂 wörld, the "),
+                                            ("absent", "héllo 🙂 wörld, the lazy dog")])
+def test_text_stream_stop_strings(tokenizer, stop, expected):
+    ids = tokenizer.encode("héllo 🙂 wörld, the lazy dog")
+    stream = TextStream(tokenizer.decode, stop=(stop, "zzz"))
+    pieces, stopped = [], False
+    for token in ids:
+        piece, stopped = stream.push(token)
+        pieces.append(piece)
+        if stopped:
+            break
+    if not stopped:
+        pieces.append(stream.finish())
+    assert "".join(pieces) == expected
+    assert stopped == (stop != "absent")
+
+
+def test_text_stream_holds_back_a_possible_stop_and_hides_stop_tokens(tokenizer):
+    stream = TextStream(tokenizer.decode, stop=("dog.",), stop_token_ids=(2,))
+    out = "".join(stream.push(t)[0] for t in tokenizer.encode("the lazy do"))
+    assert out == "the lazy "  # "do" might begin "dog."
+    piece, stopped = stream.push(2)
+    assert (piece, stopped) == ("do", True)
+
+
+def test_stream_text_of_a_decoder(small_config, tokenizer):
+    model = HybridLM(small_config(vocab_size=640)).eval()
+    prompts = [tokenizer.encode("def generate")]
+    params = SamplingParams(temperature=0, max_tokens=15)
+    tokens = generate(model, prompts, params)[0]
+    pairs = list(stream_text(Decoder(model, prompts, params), tokenizer.decode))
+    assert [t for t, _ in pairs] == tokens
+    assert "".join(d for _, d in pairs) == tokenizer.decode(tokens)
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+def test_generate_command_streams_the_greedy_text(tmp_path, small_config, tokenizer, capsys):
+    config = small_config(vocab_size=640, max_position_embeddings=64)
+    model = HybridLM(config).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save(tmp_path / "ckpt")
+    prompt = "def generate(model"
+    args = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", prompt, "--max-tokens", "9",
+            "--temperature", "0"]
+    assert main(args + ["--no-speculative"]) == 0
+    plain = capsys.readouterr()
+    ids = generate(model, [tokenizer.encode(prompt)], SamplingParams(temperature=0, max_tokens=9,
+                                                                     stop_token_ids=(2, 4)))[0]
+    expected = tokenizer.decode([t for t in ids if t not in (2, 4)])
+    assert plain.out == expected + "\n"
+    assert "tokens/s" in plain.err
+    assert main(args + ["--speculative", "--draft-length", "3"]) == 0
+    speculative = capsys.readouterr()
+    assert speculative.out == plain.out and "mean acceptance length" in speculative.err
+
+
+def test_generate_command_errors(tmp_path, small_config, capsys):
+    HybridLM(small_config()).save_pretrained(tmp_path / "ckpt")
+    assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x"]) == 2
+    assert "tokenizer.json is missing" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
+    assert "no such checkpoint directory" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x", "--top-p", "0"]) == 2
+    assert "--top-p" in capsys.readouterr().err

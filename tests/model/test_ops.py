@@ -1,0 +1,130 @@
+"""Fast paths of `hybridtron.ops` against their pure-torch references, forward and backward.
+
+- `ssd_chunked` (the Mamba-2 paper's chunked scan) vs `ssd_ref` (the naive per-token recurrence): outputs and
+  final state, with and without an initial state, lengths that are and are not multiples of the chunk, in
+  float64 (agreement to rounding) and float32.
+- `grouped_mm` (padded batched GEMM) vs `grouped_mm_ref` (a loop over experts), including experts that receive
+  no rows, all rows on one expert, and no rows at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridtron.ops.grouped_mm import grouped_mm, grouped_mm_ref
+from hybridtron.ops.ssd import segment_sum, ssd_chunked, ssd_ref
+
+# float64 agreement is limited by rounding alone; float32 by accumulating a few hundred terms of size ~1.
+SSD_TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-4, atol=2e-5)}
+
+
+def ssd_inputs(batch, length, heads, head_dim, groups, state_size, dtype, with_initial_state):
+    """Inputs shaped as the Mamba-2 mixer produces them: x already scaled by dt, a = dt * A < 0."""
+    dt = torch.nn.functional.softplus(torch.randn(batch, length, heads, dtype=dtype) - 1.0)
+    A = -torch.exp(torch.linspace(0.0, math.log(8.0), heads, dtype=dtype))
+    x = torch.randn(batch, length, heads, head_dim, dtype=dtype) * dt[..., None]
+    B = torch.randn(batch, length, groups, state_size, dtype=dtype)
+    C = torch.randn(batch, length, groups, state_size, dtype=dtype)
+    initial = torch.randn(batch, heads, head_dim, state_size, dtype=dtype) if with_initial_state else None
+    return [x, dt * A, B, C, initial]
+
+
+def scan_and_grads(scan, inputs, chunk, cotangents):
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in inputs]
+    y, final = scan(*leaves[:4], chunk, leaves[4])
+    ((y * cotangents[0]).sum() + (final * cotangents[1]).sum()).backward()
+    return y.detach(), final.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "batch, length, heads, head_dim, groups, state_size, chunk, with_initial_state",
+    [
+        (2, 32, 4, 8, 2, 16, 8, False),  # a multiple of the chunk
+        (2, 37, 4, 8, 2, 16, 8, True),  # not a multiple, and an initial state
+        (1, 5, 6, 4, 3, 8, 16, True),  # shorter than one chunk
+        (3, 50, 8, 16, 1, 32, 16, True),  # one group shared by all heads
+        (1, 64, 2, 8, 2, 4, 64, False),  # exactly one chunk
+    ],
+)
+def test_ssd_chunked_matches_recurrence(dtype, batch, length, heads, head_dim, groups, state_size, chunk,
+                                        with_initial_state):
+    inputs = ssd_inputs(batch, length, heads, head_dim, groups, state_size, dtype, with_initial_state)
+    cotangents = (torch.randn(batch, length, heads, head_dim, dtype=dtype),
+                  torch.randn(batch, heads, head_dim, state_size, dtype=dtype))
+    y, final, grads = scan_and_grads(ssd_chunked, inputs, chunk, cotangents)
+    y_ref, final_ref, grads_ref = scan_and_grads(ssd_ref, inputs, chunk, cotangents)
+    tolerance = SSD_TOLERANCE[dtype]
+    assert y.dtype == dtype and final.dtype == dtype
+    torch.testing.assert_close(y, y_ref, **tolerance)
+    torch.testing.assert_close(final, final_ref, **tolerance)
+    for name, grad, grad_ref in zip(["x", "a", "B", "C", "initial_state"], grads, grads_ref):
+        if grad_ref is None:
+            continue
+        torch.testing.assert_close(grad, grad_ref, **tolerance, msg=lambda m: f"grad of {name}: {m}")
+
+
+def test_ssd_chunked_carries_state_across_calls():
+    """Scanning [0, T) in two calls, the second starting from the first's final state, equals one call."""
+    x, a, B, C, _ = ssd_inputs(2, 40, 4, 8, 2, 16, torch.float64, False)
+    y_whole, final_whole = ssd_chunked(x, a, B, C, 8)
+    y_head, state = ssd_chunked(x[:, :13], a[:, :13], B[:, :13], C[:, :13], 8)
+    y_tail, final = ssd_chunked(x[:, 13:], a[:, 13:], B[:, 13:], C[:, 13:], 8, state)
+    torch.testing.assert_close(torch.cat([y_head, y_tail], 1), y_whole, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(final, final_whole, rtol=1e-10, atol=1e-10)
+
+
+def test_segment_sum_is_sum_over_the_segment():
+    a = torch.randn(3, 6, dtype=torch.float64)
+    out = segment_sum(a)
+    for i in range(6):
+        for j in range(6):
+            expected = a[:, j + 1:i + 1].sum(-1) if j <= i else torch.full((3,), -math.inf, dtype=torch.float64)
+            torch.testing.assert_close(out[:, i, j], expected, rtol=0, atol=1e-12)
+
+
+GROUPED_MM_CASES = {
+    "balanced": [5, 3, 7, 4],
+    "experts_with_no_rows": [0, 6, 0, 0, 9, 0],
+    "all_rows_on_one_expert": [0, 0, 11],
+    "no_rows_at_all": [0, 0, 0],
+    "one_row": [1],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", list(GROUPED_MM_CASES))
+def test_grouped_mm_matches_loop(case, dtype):
+    group_sizes = torch.tensor(GROUPED_MM_CASES[case])
+    rows, in_features, out_features = int(group_sizes.sum()), 12, 10
+    x = torch.randn(rows, in_features, dtype=dtype, requires_grad=True)
+    w = torch.randn(len(group_sizes), out_features, in_features, dtype=dtype, requires_grad=True)
+    cotangent = torch.randn(rows, out_features, dtype=dtype)
+
+    y = grouped_mm(x, w, group_sizes)
+    grad_x, grad_w = torch.autograd.grad((y * cotangent).sum(), [x, w], allow_unused=True, materialize_grads=True)
+    y_ref = grouped_mm_ref(x, w, group_sizes)
+    grad_x_ref, grad_w_ref = torch.autograd.grad((y_ref * cotangent).sum(), [x, w], allow_unused=True,
+                                                 materialize_grads=True)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    assert y.shape == (rows, out_features)
+    torch.testing.assert_close(y, y_ref, **tolerance)
+    torch.testing.assert_close(grad_x, grad_x_ref, **tolerance)
+    torch.testing.assert_close(grad_w, grad_w_ref, **tolerance)
+    # an expert that received no rows gets an exactly-zero weight gradient
+    for e in torch.nonzero(group_sizes == 0).flatten().tolist():
+        assert torch.count_nonzero(grad_w[e]) == 0
+
+
+def test_grouped_mm_bf16_within_budget_of_fp32():
+    """bf16 inputs: the fast path's error against the fp32 loop stays within 2x the bf16 loop's own error."""
+    group_sizes = torch.tensor([9, 0, 17, 4])
+    x = torch.randn(int(group_sizes.sum()), 64)
+    w = torch.randn(4, 32, 64) / 8
+    exact = grouped_mm_ref(x.double(), w.double(), group_sizes)
+    fast_error = (grouped_mm(x.bfloat16(), w.bfloat16(), group_sizes).double() - exact).abs().max()
+    ref_error = (grouped_mm_ref(x.bfloat16(), w.bfloat16(), group_sizes).double() - exact).abs().max()
+    assert fast_error <= 2 * ref_error + 1e-6
