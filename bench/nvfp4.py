@@ -106,7 +106,67 @@ def bench_quantize(args: argparse.Namespace) -> None:
     )
 
 
-SECTIONS = {"quantize": bench_quantize}
+def bench_train_step(args: argparse.Namespace) -> None:
+    """Training step (forward, backward, AdamW) of the tiny preset in each precision; goal: nvfp4 <= 2x bf16."""
+    import contextlib
+
+    from hybridtron.config import tiny
+    from hybridtron.model.lm import HybridLM
+    from hybridtron.numerics.policy import apply_precision
+
+    # (label, converter arguments or None, bf16 autocast): "bf16 autocast" is train.precision=bf16 of
+    # `hybridtron pretrain`; "bf16 GEMMs" is the converter's bf16 recipe (the reference arm of `hybridtron branch`).
+    cases = [("fp32", None, False), ("bf16 autocast", None, True), ("bf16 GEMMs (emulated)", ("bf16", "all"), False),
+             ("mxfp8 (ultra policy)", ("mxfp8", "ultra"), False), ("nvfp4 (ultra policy)", ("nvfp4", "ultra"), False),
+             ("nvfp4 (all)", ("nvfp4", "all"), False)]
+    ids = torch.randint(0, tiny().vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    steps = {}
+    for label, conversion, autocast in cases:
+        torch.manual_seed(0)
+        model = HybridLM(tiny())
+        if conversion is not None:
+            apply_precision(model, *conversion)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+        def step(model=model, optimizer=optimizer, autocast=autocast):
+            context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+            with context:
+                loss = model(inputs, labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()  # warm-up: allocations, optimizer state
+        steps[label] = step
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    for _ in range(args.repeats):
+        for label, step in steps.items():
+            times[label].append(_time(step))
+
+    tokens = args.batch * args.seq
+    base_autocast = statistics.median(times["bf16 autocast"])
+    base_gemms = statistics.median(times["bf16 GEMMs (emulated)"])
+    print(f"\ntiny preset, batch {args.batch} x {args.seq} tokens, {torch.get_num_threads()} threads, "
+          f"{args.repeats} repetitions (median; min)\n")
+    print("| precision | step ms (median) | min ms | tokens/s | vs bf16 autocast | vs bf16 GEMMs |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, ts in times.items():
+        median = statistics.median(ts)
+        print(f"| {label} | {median * 1e3:.0f} | {min(ts) * 1e3:.0f} | {tokens / median:.0f} | "
+              f"{median / base_autocast:.2f}x | {median / base_gemms:.2f}x |")
+    ratio = statistics.median(times["nvfp4 (ultra policy)"]) / min(base_autocast, base_gemms)
+    print(f"\nnvfp4 (ultra policy) / fastest bf16 step: {ratio:.2f}x (goal: <= 2x)")
+    if ratio > 2 or args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            steps["nvfp4 (ultra policy)"]()
+        print("\nwhere an nvfp4 step's time goes (self CPU time, top 15 ops):\n")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+SECTIONS = {"quantize": bench_quantize, "train_step": bench_train_step}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,6 +174,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per case (default 7)")
     parser.add_argument("--size", type=int, default=4096, help="quantize: the tensor is size x size (default 4096)")
+    parser.add_argument("--batch", type=int, default=8, help="train_step: sequences per step (default 8)")
+    parser.add_argument("--seq", type=int, default=256, help="train_step: tokens per sequence (default 256)")
+    parser.add_argument("--profile", action="store_true", help="train_step: profile an nvfp4 step even within goal")
     parser.add_argument(
         "--no-check-ref", dest="check_ref", action="store_false", help="quantize: skip the (slow) reference check"
     )

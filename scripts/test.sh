@@ -4,5 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# The report test renders the HTML page in headless Chromium (Debian's package); install it where we can.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+    || echo "warning: could not install chromium; the report rendering test will be skipped" >&2
+fi
 . .venv/bin/activate
 python -m pytest -q -p no:cacheprovider "$@"

@@ -184,3 +184,74 @@ def test_generate_command_errors(tmp_path, small_config, capsys):
     assert "no such checkpoint directory" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x", "--top-p", "0"]) == 2
     assert "--top-p" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- engine
+@pytest.fixture
+def checkpoint(tmp_path, small_config, tokenizer):
+    config = small_config(vocab_size=640, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = HybridLM(config).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save(tmp_path / "ckpt")
+    return tmp_path / "ckpt", model
+
+
+def test_engine_streams_what_generate_emits(checkpoint, tokenizer):
+    from hybridtron.infer.engine import load_engine
+    from hybridtron.infer.server import generate_text
+
+    directory, model = checkpoint
+    prompt = tokenizer.encode("def generate(model")
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected = generate(model, [prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(2, 4)))[0]
+    if expected[-1] in (2, 4):
+        expected = expected[:-1]  # an end token ends the stream and is not yielded
+    for speculative in (False, True):
+        engine = load_engine(directory, speculative=speculative, draft_length=2)
+        assert (engine.model_name, engine.max_context, engine.vocab_size) == ("ckpt", 64, 640)
+        assert engine.speculative == speculative
+        assert list(engine.stream(prompt, params)) == expected
+        events = list(generate_text(engine, prompt, params))  # the server's text layer over this engine
+        assert "".join(e.text for e in events) == tokenizer.decode(expected)
+    assert engine.last_stats.steps > 0
+
+
+def test_engine_chat_template_and_end_tokens(checkpoint):
+    from hybridtron.infer.engine import load_engine
+
+    directory, _ = checkpoint
+    engine = load_engine(directory)
+    text = engine.chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    ids = engine.encode(text)
+    assert ids.count(engine.tokenizer.token_id("<|im_start|>")) == 3
+    assert engine.end_token_ids == (2, 4)
+    with pytest.raises(ValueError, match="at least one message"):
+        engine.chat_template([])
+
+
+def test_engine_without_mtp_decodes_plainly(tmp_path, small_config, tokenizer):
+    from hybridtron.infer.engine import load_engine
+
+    HybridLM(small_config(vocab_size=640, num_nextn_predict_layers=0)).save_pretrained(tmp_path / "plain")
+    tokenizer.save(tmp_path / "plain")
+    engine = load_engine(tmp_path / "plain")  # speculative by default, but there is no MTP block to draft with
+    assert not engine.speculative
+    assert len(list(engine.stream([5, 6], SamplingParams(temperature=0, max_tokens=3)))) <= 3
+
+
+def test_engine_rejects_a_bad_draft_length(checkpoint):
+    from hybridtron.infer.engine import load_engine
+
+    with pytest.raises(ValueError, match="draft_length"):
+        load_engine(checkpoint[0], draft_length=0)
+
+
+def test_engine_rejects_a_tokenizer_larger_than_the_model(tmp_path, small_config, tokenizer):
+    from hybridtron.infer.engine import load_engine
+
+    HybridLM(small_config(vocab_size=128)).save_pretrained(tmp_path / "small")
+    tokenizer.save(tmp_path / "small")
+    with pytest.raises(ValueError, match="vocab_size is 128"):
+        load_engine(tmp_path / "small")

@@ -59,6 +59,8 @@ def test_greedy_speculative_equals_plain_greedy(small_config, kind):
         histogram[:k + 1] += torch.tensor(decoder.stats.histogram)
     for prompt, expected in zip(prompts[:2], plain[:2]):
         assert generate(model, [prompt], params, speculative=True, draft_length=5) == [expected]
+    # a chunked prefill fills the drafter's cache across chunk boundaries
+    assert generate(model, prompts, params, speculative=True, draft_length=3, prefill_chunk=4) == plain
     if kind == "chain":  # every number of accepted drafts occurred, so every rollback slot was used
         assert (histogram > 0).all(), histogram
 

@@ -3,8 +3,10 @@
 - `ssd_chunked` (the Mamba-2 paper's chunked scan) vs `ssd_ref` (the naive per-token recurrence): outputs and
   final state, with and without an initial state, lengths that are and are not multiples of the chunk, in
   float64 (agreement to rounding) and float32.
-- `grouped_mm` (padded batched GEMM) vs `grouped_mm_ref` (a loop over experts), including experts that receive
-  no rows, all rows on one expert, and no rows at all.
+- `grouped_mm` (torch's native grouped GEMM where it applies) and `grouped_mm_padded` (padded batched GEMM) vs
+  `grouped_mm_ref` (a loop over experts), including experts that receive no rows, all rows on one expert, and no
+  rows at all.
+- `cross_entropy` (blockwise, no log-probability tensor) vs `F.cross_entropy`, loss and gradient.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import math
 import pytest
 import torch
 
-from hybridtron.ops.grouped_mm import grouped_mm, grouped_mm_ref
-from hybridtron.ops.ssd import segment_sum, ssd_chunked, ssd_ref
+from hybridtron.ops import cross_entropy as cross_entropy_module
+from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy, cross_entropy_ref
+from hybridtron.ops.grouped_mm import grouped_mm, grouped_mm_padded, grouped_mm_ref, native_applies
+from hybridtron.ops.ssd import ssd_chunked, ssd_ref
 
 # float64 agreement is limited by rounding alone; float32 by accumulating a few hundred terms of size ~1.
 SSD_TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-4, atol=2e-5)}
@@ -77,13 +81,18 @@ def test_ssd_chunked_carries_state_across_calls():
     torch.testing.assert_close(final, final_whole, rtol=1e-10, atol=1e-10)
 
 
-def test_segment_sum_is_sum_over_the_segment():
-    a = torch.randn(3, 6, dtype=torch.float64)
-    out = segment_sum(a)
-    for i in range(6):
-        for j in range(6):
-            expected = a[:, j + 1:i + 1].sum(-1) if j <= i else torch.full((3,), -math.inf, dtype=torch.float64)
-            torch.testing.assert_close(out[:, i, j], expected, rtol=0, atol=1e-12)
+def test_ssd_chunked_fp32_error_with_strong_decays():
+    """Heads with A down to -256 and dt up to 1 (chunk decays down to exp(-16000)): against the float64 recurrence,
+    the fp32 chunked scan stays within 1e-4 relative (its decay is a difference of cumsums, as in mamba_ssm)."""
+    batch, length, heads = 2, 256, 8
+    dt = torch.exp(torch.empty(batch, length, heads, dtype=torch.float64).uniform_(math.log(1e-3), 0.0))
+    A = -torch.exp(torch.linspace(0.0, math.log(256.0), heads, dtype=torch.float64))
+    x = torch.randn(batch, length, heads, 16, dtype=torch.float64) * dt[..., None]
+    B, C = torch.randn(2, batch, length, 2, 16, dtype=torch.float64)
+    y_exact, final_exact = ssd_ref(x, dt * A, B, C)
+    y, final = ssd_chunked(x.float(), (dt * A).float(), B.float(), C.float(), 128)
+    assert (y.double() - y_exact).abs().max() <= 1e-4 * y_exact.abs().max()
+    assert (final.double() - final_exact).abs().max() <= 1e-4 * final_exact.abs().max()
 
 
 GROUPED_MM_CASES = {
@@ -95,16 +104,21 @@ GROUPED_MM_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fast, dtype", [(grouped_mm, torch.float32), (grouped_mm_padded, torch.float32),
+                                         (grouped_mm_padded, torch.float64)])
 @pytest.mark.parametrize("case", list(GROUPED_MM_CASES))
-def test_grouped_mm_matches_loop(case, dtype):
+def test_grouped_mm_matches_loop(case, fast, dtype):
+    """Both fast paths (torch's native grouped GEMM, chosen by `grouped_mm` where it applies, and the padded batched
+    GEMM) against the loop, forward and backward; the cotangent is an expanded (stride-0) tensor, as `.sum()` gives."""
     group_sizes = torch.tensor(GROUPED_MM_CASES[case])
-    rows, in_features, out_features = int(group_sizes.sum()), 12, 10
+    rows, in_features, out_features = int(group_sizes.sum()), 12, 8
     x = torch.randn(rows, in_features, dtype=dtype, requires_grad=True)
     w = torch.randn(len(group_sizes), out_features, in_features, dtype=dtype, requires_grad=True)
-    cotangent = torch.randn(rows, out_features, dtype=dtype)
+    if fast is grouped_mm and rows:
+        assert native_applies(x, w)
+    cotangent = torch.randn(1, out_features, dtype=dtype).expand(rows, out_features)
 
-    y = grouped_mm(x, w, group_sizes)
+    y = fast(x, w, group_sizes)
     grad_x, grad_w = torch.autograd.grad((y * cotangent).sum(), [x, w], allow_unused=True, materialize_grads=True)
     y_ref = grouped_mm_ref(x, w, group_sizes)
     grad_x_ref, grad_w_ref = torch.autograd.grad((y_ref * cotangent).sum(), [x, w], allow_unused=True,
@@ -117,14 +131,59 @@ def test_grouped_mm_matches_loop(case, dtype):
     # an expert that received no rows gets an exactly-zero weight gradient
     for e in torch.nonzero(group_sizes == 0).flatten().tolist():
         assert torch.count_nonzero(grad_w[e]) == 0
+    # the plain-sum cotangent of the loss functions (stride 0 everywhere)
+    if rows:
+        fast(x, w, group_sizes).sum().backward()
 
 
-def test_grouped_mm_bf16_within_budget_of_fp32():
-    """bf16 inputs: the fast path's error against the fp32 loop stays within 2x the bf16 loop's own error."""
+def test_grouped_mm_falls_back_where_the_native_kernel_does_not_apply():
+    x, w = torch.randn(6, 12), torch.randn(2, 8, 12)
+    assert native_applies(x, w)
+    assert not native_applies(x.double(), w.double())  # no float64 kernel
+    assert not native_applies(torch.randn(6, 10), torch.randn(2, 8, 10))  # 40-byte rows: not 16-byte aligned
+    assert not native_applies(x[:0], w)  # no rows
+    assert not native_applies(x.bfloat16(), torch.randn(2, 4, 12).bfloat16())  # bf16 needs multiples of 8
+
+
+@pytest.mark.parametrize("fast", [grouped_mm, grouped_mm_padded])
+def test_grouped_mm_bf16_within_budget_of_fp32(fast):
+    """bf16 inputs: the fast path's error against the exact result stays within 2x the bf16 loop's own error."""
     group_sizes = torch.tensor([9, 0, 17, 4])
     x = torch.randn(int(group_sizes.sum()), 64)
     w = torch.randn(4, 32, 64) / 8
     exact = grouped_mm_ref(x.double(), w.double(), group_sizes)
-    fast_error = (grouped_mm(x.bfloat16(), w.bfloat16(), group_sizes).double() - exact).abs().max()
+    fast_error = (fast(x.bfloat16(), w.bfloat16(), group_sizes).double() - exact).abs().max()
     ref_error = (grouped_mm_ref(x.bfloat16(), w.bfloat16(), group_sizes).double() - exact).abs().max()
     assert fast_error <= 2 * ref_error + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("rows, vocab, block_elements", [(37, 50, 1 << 22), (300, 1000, 64 * 1000 + 5), (1, 7, 3)])
+def test_cross_entropy_matches_torch(monkeypatch, dtype, rows, vocab, block_elements):
+    """Loss and gradient of the blockwise cross entropy vs F.cross_entropy in fp32, with ignored targets and
+    blocks that do not divide the rows; bf16 logits reduce in fp32 on both sides."""
+    monkeypatch.setattr(cross_entropy_module, "BLOCK_ELEMENTS", block_elements)
+    logits = (torch.randn(rows, vocab) * 3).to(dtype)
+    targets = torch.randint(0, vocab, (rows,))
+    targets[torch.rand(rows) < 0.2] = IGNORE_INDEX
+    targets[0] = 3
+    leaf = logits.clone().requires_grad_(True)
+    loss = cross_entropy(leaf, targets)
+    (grad,) = torch.autograd.grad(2.5 * loss, leaf)
+    leaf_ref = logits.clone().requires_grad_(True)
+    loss_ref = cross_entropy_ref(leaf_ref, targets)
+    (grad_ref,) = torch.autograd.grad(2.5 * loss_ref, leaf_ref)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    tolerance = dict(rtol=1e-6, atol=1e-6) if dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(loss, loss_ref.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, grad_ref.to(dtype), **tolerance)
+    assert (grad[targets == IGNORE_INDEX] == 0).all()
+
+
+def test_cross_entropy_edge_cases():
+    logits = torch.randn(4, 9)
+    all_ignored = torch.full((4,), IGNORE_INDEX)
+    assert torch.isnan(cross_entropy(logits, all_ignored)) and torch.isnan(cross_entropy_ref(logits, all_ignored))
+    wide = torch.randn(6, 20)[:, ::2]  # a non-contiguous view
+    targets = torch.randint(0, 10, (6,))
+    torch.testing.assert_close(cross_entropy(wide, targets), cross_entropy_ref(wide, targets))

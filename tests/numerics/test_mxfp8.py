@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridtron.numerics import mxfp8
+from hybridtron.numerics import mxfp8, nvfp4
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -14,7 +14,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,dim", [((64, 256), -1), ((33, 50), -1), ((70, 24), 0), ((2, 3, 40), 1)])
-def test_fast_path_matches_reference(shape, dim, dtype):
+@pytest.mark.parametrize("chunk_elements", [None, 300])
+def test_fast_path_matches_reference(shape, dim, dtype, chunk_elements, monkeypatch):
+    if chunk_elements is not None:  # many row chunks, the last one partial
+        monkeypatch.setattr(nvfp4, "_CHUNK_ELEMENTS", chunk_elements)
     x = (torch.randn(shape) * 5).to(dtype)
     x.view(-1)[:40] = 0.0  # an all-zero block
     x.view(-1)[40:50] *= -1e-6

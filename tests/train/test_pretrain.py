@@ -18,7 +18,7 @@ from hybridtron.cli import main as cli_main
 from hybridtron.train.config import build_run_config
 
 # A small, quick run: a few stdlib families, short rows, tiny batches.
-FAST = ["--set", "data.families=json,csv,textwrap,string", "--set", "data.seq_len=64", "--set", "data.batch_size=4",
+FAST = ["--set", "data.families=json,text,functional", "--set", "data.seq_len=64", "--set", "data.batch_size=4",
         "--set", "data.vocab_size=512", "--set", "model.vocab_size=512", "--set", "train.val_every=6",
         "--set", "data.val_batches=2", "--set", "train.checkpoint_every=3", "--set", "train.warmup_steps=2",
         "--set", "train.threads=1", "--quiet"]

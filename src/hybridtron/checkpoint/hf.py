@@ -174,8 +174,8 @@ def load_pretrained(directory: str | Path, *, dtype: torch.dtype | None = None, 
             if names:
                 lines.append(f"  {title} ({len(names)}): " + ", ".join(names[:20]) + (" ..." if len(names) > 20 else ""))
         if any(name.startswith("mtp.") for name in missing) and not any(name.startswith("mtp.") for name in state):
-            lines.append("  hint: the checkpoint has no MTP block (transformers drops the mtp.* tensors when it saves); "
-                         "load it without one: from_pretrained(directory, num_nextn_predict_layers=0)")
+            lines.append("  hint: the checkpoint has no MTP block (transformers drops the mtp.* tensors when it "
+                         "saves); load it without one: from_pretrained(directory, num_nextn_predict_layers=0)")
         raise CheckpointError("\n".join(lines))
     for name, tensor in state.items():
         target_dtype = torch.float32 if FP32_TENSORS.search(name) else (dtype or tensor.dtype)

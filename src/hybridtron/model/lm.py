@@ -24,6 +24,7 @@ from hybridtron.model.mamba2 import Mamba2Mixer
 from hybridtron.model.moe import MoE, Router, RoutedExperts
 from hybridtron.model.mtp import MTPBlock
 from hybridtron.model.norm import GatedGroupRMSNorm, RMSNorm
+from hybridtron.ops.cross_entropy import cross_entropy as ops_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -58,7 +59,7 @@ def mtp_targets(labels_BT: torch.Tensor, depth: int) -> torch.Tensor:
 
 
 def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_BTV.flatten(0, 1).float(), targets_BT.flatten(), ignore_index=IGNORE_INDEX)
+    return ops_cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten(), IGNORE_INDEX)
 
 
 class HybridLM(nn.Module):

@@ -52,6 +52,5 @@ def random_hadamard_transform(x: Tensor, dim: int = 0, matrix: Tensor | None = N
         raise ValueError(
             f"random_hadamard_transform: size {x.shape[d]} along dim {dim} is not a multiple of {size}; pad it first"
         )
-    moved = x.to(torch.float32).movedim(d, -1)
-    chunks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // size, size)
-    return (chunks @ h).reshape(moved.shape).movedim(-1, d)
+    moved = x.to(torch.float32).movedim(d, -1).contiguous()
+    return (moved.view(-1, size) @ h).view(moved.shape).movedim(-1, d)  # one 2-D GEMM over all chunks

@@ -7,7 +7,7 @@ Recipe (NVIDIA's cuBLAS/TE MXFP8 scaling, torchao ``ScaleCalculationMode.RCEIL``
     x_hat = e4m3_value(q_i) * 2^e
 
 There is no per-tensor scale. Rounding the scale up means no element saturates; the price is up to one
-binade of range at the bottom of each block. ``ceil(log2(.))`` is computed exactly from the fp32 bits of
+binade of range at the bottom of each block. ``ceil(log2(.))`` is computed exactly (frexp) from the fp32
 ``block_amax / 448`` (an all-zero block gets e = -127).
 
 Against torchao's ``MXTensor.to_mx(..., scaling_mode=RCEIL)`` on CPU: torchao takes ``ceil(torch.log2(.))``,
@@ -16,8 +16,9 @@ off), and for scale byte 0 it multiplies by 1 instead of 2^127. Neither occurs o
 
 Layout as in :mod:`hybridtron.numerics.nvfp4`: rows are all dims but ``dim``, blocks run along ``dim``
 (zero-padded to a multiple of 32). ``data`` holds E4M3 bytes [rows, cols_padded], ``scales`` UE8M0 bytes
-[rows, cols_padded/32]. ``quantize``/``dequantize``/``fake_quantize`` use exact fp32 bit tricks; the
-``*_ref`` twins use ``torch.log2``-free integer exponent arithmetic spelled out and torch's float8 cast.
+[rows, cols_padded/32]. ``quantize``/``dequantize``/``fake_quantize`` work on cache-sized row chunks and use
+exact fp32 bit tricks (see :mod:`hybridtron.numerics.nvfp4`); the ``*_ref`` twins read the exponent from the
+fp32 bit fields, divide by ``torch.pow`` scales and use torch's float8 casts both ways.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ from torch import Tensor
 
 from hybridtron.numerics.nvfp4 import (
     E4M3_MAX,
+    _block_amax,
+    _SCRATCH,
     _check_finite,
+    _chunk_rows,
     _from_block_matrix,
     _to_block_matrix,
+    _e4m3_round_,
     e4m3_from_bytes,
-    e4m3_round,
-    e4m3_to_bytes,
 )
 
 BLOCK_SIZE = 32
@@ -67,44 +70,59 @@ def _pow2(exponent: Tensor) -> Tensor:
 
 
 def _blocks(x: Tensor, dim: int) -> tuple[Tensor, int, Tensor]:
-    matrix, d = _to_block_matrix(x, dim, block_2d=False, block_size=BLOCK_SIZE)
-    rows, cols = matrix.shape
-    blocks = matrix.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
-    if blocks.numel():
-        block_min, block_max = torch.aminmax(blocks, dim=-1)
-        block_amax = torch.maximum(block_max, block_min.neg_())
+    """(padded fp32 matrix, normalized dim, per-block scale exponents)."""
+    matrix, d = _to_block_matrix(x, dim, block_2d=False, block_size=BLOCK_SIZE, scratch=True)
+    block_amax = _block_amax(matrix, BLOCK_SIZE)
+    if block_amax.numel():
         _check_finite(block_amax.max(), "MXFP8 quantize")
-    else:
-        block_amax = blocks.new_zeros(blocks.shape[:2])
-    return blocks, d, _scale_exponent(block_amax)
+    return matrix, d, _scale_exponent(block_amax)
 
 
-def _round_elements(blocks: Tensor, exponent: Tensor) -> Tensor:
-    """Signed E4M3 values of ``x * 2^-e`` (the multiply by a power of two is exact)."""
-    scaled = blocks * _pow2(-exponent)[:, :, None]
-    return torch.copysign(e4m3_round(scaled), scaled)
+def _chunks(matrix: Tensor):
+    """(row0, row1) pairs covering the matrix in cache-sized chunks."""
+    rows = matrix.shape[0]
+    step = _chunk_rows(matrix)
+    return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)] if matrix.numel() else []
 
 
 def quantize(x: Tensor, *, dim: int = -1) -> MXFP8Quantized:
     """Quantize ``x`` to MXFP8 with 32-element blocks along ``dim``."""
-    blocks, d, exponent = _blocks(x, dim)
-    data = e4m3_to_bytes(_round_elements(blocks, exponent)).view(blocks.shape[0], -1)
+    matrix, d, exponent = _blocks(x, dim)
+    rows, cols = matrix.shape
+    data = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
+    scale_inv = _pow2(-exponent)[:, :, None]
+    for r0, r1 in _chunks(matrix):
+        scaled = matrix[r0:r1].view(r1 - r0, -1, BLOCK_SIZE) * scale_inv[r0:r1]  # exact: a power of two
+        data[r0:r1].view(torch.float8_e4m3fn).copy_(scaled.view(r1 - r0, cols))  # torch's cast is RNE
     return MXFP8Quantized(data=data, scales=(exponent + E8M0_BIAS).to(torch.uint8), shape=x.shape, dim=d)
 
 
 def dequantize(q: MXFP8Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
     """Values ``e4m3_value * 2^e`` in the original shape."""
-    rows = q.data.shape[0]
-    values = e4m3_from_bytes(q.data).view(rows, -1, BLOCK_SIZE)
-    scale = _pow2(q.scales.to(torch.int32) - E8M0_BIAS)
-    return _from_block_matrix((values * scale[:, :, None]).view(rows, -1), q.shape, q.dim).to(dtype)
+    rows, cols = q.data.shape
+    out = torch.empty((rows, cols), dtype=torch.float32, device=q.data.device)
+    scale = _pow2(q.scales.to(torch.int32) - E8M0_BIAS)[:, :, None]
+    for r0, r1 in _chunks(out):
+        values = e4m3_from_bytes(q.data[r0:r1]).view(r1 - r0, -1, BLOCK_SIZE)
+        torch.mul(values, scale[r0:r1], out=out[r0:r1].view(r1 - r0, -1, BLOCK_SIZE))
+    return _from_block_matrix(out, q.shape, q.dim).to(dtype)
 
 
 def fake_quantize(x: Tensor, *, dim: int = -1) -> Tensor:
-    """``dequantize(quantize(x))`` without the byte encoding; fp32, in x's shape."""
-    blocks, d, exponent = _blocks(x, dim)
-    values = _round_elements(blocks, exponent).mul_(_pow2(exponent)[:, :, None])
-    return _from_block_matrix(values.view(blocks.shape[0], -1), x.shape, d)
+    """``dequantize(quantize(x))`` in one pass without the byte encoding; fp32, in x's shape."""
+    matrix, d, exponent = _blocks(x, dim)
+    rows, cols = matrix.shape
+    out = torch.empty_like(matrix)
+    scale, scale_inv = _pow2(exponent)[:, :, None], _pow2(-exponent)[:, :, None]
+    chunks = _chunks(matrix)
+    work = _SCRATCH.get("work", (chunks[0][1], cols), torch.int32, x.device) if chunks else None
+    for r0, r1 in chunks:
+        x_blocks = matrix[r0:r1].view(r1 - r0, -1, BLOCK_SIZE)
+        y = out[r0:r1].view(r1 - r0, -1, BLOCK_SIZE)
+        torch.mul(x_blocks, scale_inv[r0:r1], out=y)
+        _e4m3_round_(y, work[: r1 - r0].view(y.shape))  # |y| <= 448 by the choice of scale
+        torch.copysign(y, x_blocks, out=y).mul_(scale[r0:r1])  # -0 for small negatives, as the cast gives
+    return _from_block_matrix(out, x.shape, d)
 
 
 def quantize_ref(x: Tensor, *, dim: int = -1) -> MXFP8Quantized:

@@ -10,7 +10,7 @@ Recipe (TE's reference quantizer ``NVFP4QuantizerRef`` and its CUDA kernels, arX
     q_i   = e2m1_round(clamp(x_i * enc_b, -6, 6))    RNE (ties to the even code) or stochastic
     x_hat = (e2m1_value(q_i) * s_b) * S_dec
 
-Every operation is one fp32 IEEE operation in that order, so the results match TE bit for bit. Two details
+Each step is one fp32 IEEE operation, in the order of TE's reference quantizer. Two details
 follow TE's code rather than the shorthand of docs/SPEC-nvfp4.md: the block scale multiplies by
 ``S_enc * fp32(1/6)`` (TE folds the 1/6 into the global multiplier) and a tiny amax whose ``448*6/amax``
 overflows gives ``S_enc = FLT_MAX`` (TE's ``fminf``), not 1. The sign of a value that rounds to zero is kept
@@ -31,13 +31,13 @@ Layout: the tensor is viewed as a matrix whose rows are all other dims (in order
 and whose columns run along ``dim``. ``codes`` is uint8 [rows, cols_padded/2], ``scales`` uint8
 [rows, cols_padded/16] holding E4M3 bytes.
 
-Against torchao's ``NVFP4Tensor`` (with ``per_tensor_scale = amax/2688``): scale bytes agree on normal data.
-torchao floors block scales at 2^-6 and writes 0x08 for an all-zero block; it also computes the element
-multiplier as ``(1/per_tensor_scale)/s_b`` rather than ``1/(s_b*S_dec)``, which differs by an ulp for some
-blocks, so a scaled value lying within that ulp of an E2M1 decision threshold can get the neighbouring code
-(about 1 element in 10^7 for Gaussian fp32 data, about 1 in 2,000 for bf16 data, whose coarse grid lands on
-thresholds more often). Its dequantization multiplies by ``per_tensor_scale * s_b`` (two roundings) where TE's
-chain has ``(v * s_b) * S_dec`` (one), so dequantized values can differ in the last bit.
+Against torchao's ``NVFP4Tensor`` (with ``per_tensor_scale = pts = amax/2688``): torchao floors block
+scales at 2^-6, so subnormal and zero scales (an all-zero block too) become 0x08. It also computes the block
+scale as ``(block_amax/6)/pts`` and the element multiplier as ``(1/pts)/s_b``; these agree with TE's values to
+an ulp, so they round differently only for a value within an ulp of an E4M3 or E2M1 decision point: on
+Gaussian fp32 data about 1 code in 10^7 and no scale byte; on bf16 data, whose coarse grid lands on decision
+points far more often, up to ~0.1% of codes and ~0.3% of scale bytes, depending on amax. torchao dequantizes
+with ``pts * s_b`` rounded first (TE's chain: ``(v * s_b) * S_dec``), so values can differ in the last bit.
 
 Fast path vs reference: ``quantize``/``dequantize``/``fake_quantize`` are vectorized, chunked over rows into
 reused buffers, and round with exact fp32 bit tricks (magic-number addition for RNE, fp16 subnormals to map
@@ -48,6 +48,7 @@ out with TE's threshold table and torch's float8 cast; the tests require the two
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,7 @@ _E2M1_MAGIC_OFFSET = (22 << 23) | 0x400000  # turns 2^e into 1.5 * 2^(e+22): ulp
 _E4M3_MIN_NORMAL_BITS = 0x3C800000  # 2^-6
 _E4M3_MAGIC_OFFSET = (20 << 23) | 0x400000  # turns 2^e into 1.5 * 2^(e+20): ulp = 2^(e-3)
 _RCP6 = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), as TE's constexpr 1.0f/6.0f
-_CHUNK_ELEMENTS = 1 << 18  # rows are processed in chunks of about this many elements (1 MiB of fp32)
+_CHUNK_ELEMENTS = 1 << 20  # CPU: rows are processed in chunks of about this many elements (4 MiB of fp32)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def global_scales(amax: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# E4M3 helpers (also used by MXFP8)
+# E4M3 helpers (also used by MXFP8); torch's fp32 -> float8 cast is RNE and fast, its reverse is slow
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -113,9 +114,16 @@ def e4m3_round(x: Tensor) -> Tensor:
     sum in a binade whose ulp is exactly the E4M3 spacing at x, so the fp32 adder does the RNE rounding;
     subtracting M back is exact. Zero results are +0.
     """
-    magic = torch.bitwise_and(x.view(torch.int32), _EXPONENT_MASK)
-    magic = magic.clamp_(min=_E4M3_MIN_NORMAL_BITS).add_(_E4M3_MAGIC_OFFSET).view(torch.float32)
-    return (x + magic).sub_(magic)
+    y = x.clone()
+    _e4m3_round_(y, torch.empty_like(y, dtype=torch.int32))
+    return y
+
+
+def _e4m3_round_(y: Tensor, work: Tensor) -> None:
+    """In-place :func:`e4m3_round` of fp32 ``y`` using an int32 buffer of its shape."""
+    torch.bitwise_and(y.view(torch.int32), _EXPONENT_MASK, out=work)
+    magic = work.clamp_(min=_E4M3_MIN_NORMAL_BITS).add_(_E4M3_MAGIC_OFFSET).view(torch.float32)
+    y.add_(magic).sub_(magic)
 
 
 def e4m3_round_ref(x: Tensor) -> Tensor:
@@ -123,24 +131,48 @@ def e4m3_round_ref(x: Tensor) -> Tensor:
     return x.to(torch.float8_e4m3fn).to(torch.float32)
 
 
-def e4m3_to_bytes(values: Tensor) -> Tensor:
-    """E4M3 bytes (uint8) of fp32 tensors holding exact, finite E4M3 values (signed zeros kept).
-
-    ``values * 2^-8`` maps E4M3's smallest normal 2^-6 onto fp16's 2^-14, so E4M3 subnormals become fp16
-    subnormals and the E4M3 exponent+mantissa sit in fp16 bits 7..13.
-    """
-    h = (values * 2.0**-8).to(torch.float16).view(torch.int16)
-    magnitude = torch.bitwise_right_shift(h, 7).bitwise_and_(0x7F)
-    sign = torch.bitwise_right_shift(h, 8).bitwise_and_(0x80)
-    return magnitude.bitwise_or_(sign).to(torch.uint8)
-
-
 def e4m3_from_bytes(codes: Tensor) -> Tensor:
-    """fp32 values of E4M3 bytes (uint8); the inverse of :func:`e4m3_to_bytes` (0x7F/0xFF, NaN, unused)."""
+    """fp32 values of E4M3 bytes (uint8; 0x7F/0xFF, NaN, never produced here, are not decoded).
+
+    Several times faster on a CPU than torch's float8 -> fp32 cast: the byte's exponent and mantissa are moved
+    to fp16 bits 7..13, which maps E4M3's smallest normal 2^-6 onto fp16's 2^-14 (E4M3 subnormals become fp16
+    subnormals), and the fp16 -> fp32 conversion is exact; the factor 2^8 undoes the shift of exponents.
+    """
     b = codes.to(torch.int16)
     h = torch.bitwise_and(b, 0x7F).bitwise_left_shift_(7)
     h.bitwise_or_(torch.bitwise_and(b, 0x80).bitwise_left_shift_(8))
     return h.view(torch.float16).to(torch.float32).mul_(2.0**8)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Scratch buffers
+# ----------------------------------------------------------------------------------------------------------
+
+
+class _Scratch(threading.local):
+    """Per-thread CPU scratch buffers, reused across calls and grown to the largest request.
+
+    On a CPU the first touch of freshly allocated memory (page faults, once glibc has trimmed or unmapped a
+    freed block) can cost more than the arithmetic of a whole quantization, so the fast paths take their
+    temporaries from here; returned tensors are always freshly allocated. Accelerators have caching
+    allocators, so there a plain allocation is returned.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype], Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        size = math.prod(shape)
+        buffer = self.buffers.get((name, dtype))
+        if buffer is None or buffer.numel() < size:
+            buffer = torch.empty(size, dtype=dtype)
+            self.buffers[(name, dtype)] = buffer
+        return buffer[:size].view(shape)
+
+
+_SCRATCH = _Scratch()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -154,8 +186,11 @@ def _normalize_dim(x: Tensor, dim: int) -> int:
     return dim % x.ndim
 
 
-def _to_block_matrix(x: Tensor, dim: int, block_2d: bool, block_size: int = BLOCK_SIZE) -> tuple[Tensor, int]:
-    """x -> (fp32 contiguous [rows, cols padded to block_size], normalized dim)."""
+def _to_block_matrix(
+    x: Tensor, dim: int, block_2d: bool, block_size: int = BLOCK_SIZE, scratch: bool = False
+) -> tuple[Tensor, int]:
+    """x -> (fp32 contiguous [rows, cols padded to block_size], normalized dim); a copy, if one is needed,
+    goes to a scratch buffer when ``scratch`` (the fast paths only read it)."""
     if not x.is_floating_point():
         raise ValueError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
     if x.ndim == 0:
@@ -169,7 +204,11 @@ def _to_block_matrix(x: Tensor, dim: int, block_2d: bool, block_size: int = BLOC
     padded_cols = -(-cols // block_size) * block_size
     if padded_cols == cols and moved.dtype == torch.float32 and moved.is_contiguous():
         return moved.reshape(rows, cols), d
-    matrix = torch.empty((rows, padded_cols), dtype=torch.float32, device=x.device)
+    shape = (rows, padded_cols)
+    if scratch:
+        matrix = _SCRATCH.get("matrix", shape, torch.float32, x.device)
+    else:
+        matrix = torch.empty(shape, dtype=torch.float32, device=x.device)
     matrix[:, :cols].copy_(moved.reshape(rows, cols))
     matrix[:, cols:].zero_()
     return matrix, d
@@ -196,8 +235,22 @@ def _tile_amax(block_amax: Tensor) -> Tensor:
     return tiles.repeat_interleave(BLOCK_SIZE, dim=0)[:rows]
 
 
-def _new_uniform(matrix: Tensor, generator: torch.Generator | None) -> Tensor:
-    return torch.rand(matrix.shape, generator=generator, dtype=torch.float32, device=matrix.device)
+def _chunk_rows(matrix: Tensor) -> int:
+    """Rows per chunk: cache-sized on a CPU (the elementwise passes then stay in cache); the whole matrix on an
+    accelerator, where each extra kernel launch costs more than the memory traffic it saves."""
+    rows, cols = matrix.shape
+    if matrix.device.type != "cpu":
+        return max(rows, 1)
+    return max(1, _CHUNK_ELEMENTS // max(cols, 1))
+
+
+def _new_uniform(matrix: Tensor, generator: torch.Generator | None, scratch: bool = False) -> Tensor:
+    """U[0, 1) draws for every element of the padded matrix, in one call (fast path and reference draw the
+    same stream)."""
+    if not scratch:
+        return torch.rand(matrix.shape, generator=generator, dtype=torch.float32, device=matrix.device)
+    out = _SCRATCH.get("uniform", tuple(matrix.shape), torch.float32, matrix.device)
+    return torch.rand(matrix.shape, generator=generator, out=out)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -213,14 +266,34 @@ class _BlockScales:
     encode: Tensor  # fp32 [rows, col_blocks]: enc_b
 
 
-def _block_scales(matrix: Tensor, block_2d: bool) -> _BlockScales:
+def _block_amax(matrix: Tensor, block_size: int = BLOCK_SIZE) -> Tensor:
+    """max|x| of each 1 x block_size block, [rows, cols/block_size]: |x| then a pairwise-maximum tree
+    (16 -> 8 -> 4 -> 2 -> 1) on cache-sized chunks -- several times faster on a CPU than a reduction over a
+    16-wide inner dim. NaN propagates."""
     rows, cols = matrix.shape
-    blocks = matrix.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
-    if blocks.numel():
-        block_min, block_max = torch.aminmax(blocks, dim=-1)  # one pass; cheaper than abs().amax()
-        block_amax = torch.maximum(block_max, block_min.neg_())
-    else:
-        block_amax = blocks.new_zeros(blocks.shape[:2])
+    blocks = cols // block_size
+    out = matrix.new_empty((rows, blocks))
+    if matrix.numel() == 0:
+        return out.zero_()
+    chunk = _chunk_rows(matrix)
+    widths = [block_size >> level for level in range(block_size.bit_length())]  # block_size, ..., 2, 1
+    buffers = [
+        _SCRATCH.get(f"amax{width}", (min(chunk, rows), blocks, width), torch.float32, matrix.device)
+        for width in widths[:-1]
+    ]
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        level = buffers[0][: r1 - r0]
+        torch.abs(matrix[r0:r1].view(r1 - r0, blocks, block_size), out=level)
+        for buffer, half in zip(buffers[1:], widths[1:-1]):
+            torch.maximum(level[..., :half], level[..., half:], out=buffer[: r1 - r0])
+            level = buffer[: r1 - r0]
+        torch.maximum(level[..., 0], level[..., 1], out=out[r0:r1])
+    return out
+
+
+def _block_scales(matrix: Tensor, block_2d: bool) -> _BlockScales:
+    block_amax = _block_amax(matrix)
     if block_2d:
         block_amax = _tile_amax(block_amax)
     amax = block_amax.max() if block_amax.numel() else matrix.new_zeros(())
@@ -250,8 +323,8 @@ def _round_chunk(
         assert spare is not None
         quotient = torch.abs(y, out=spare).div_(spacing)  # exact: spacing is a power of two
         torch.floor(quotient, out=y)
-        fraction = quotient.sub_(y)
-        y.add_(torch.lt(uniform, fraction)).mul_(spacing)
+        # Round up when u < frac: ceil(frac - u) is exactly that indicator (1, or 0 / -0), as a float in place.
+        y.add_(quotient.sub_(y).sub_(uniform).ceil_()).mul_(spacing)
     torch.copysign(y, x, out=y)
 
 
@@ -260,11 +333,11 @@ def _round_matrix(matrix: Tensor, scales: _BlockScales, uniform: Tensor | None, 
     rows, cols = matrix.shape
     if matrix.numel() == 0:
         return
-    chunk = max(1, _CHUNK_ELEMENTS // cols)
+    chunk = _chunk_rows(matrix)
     n = min(chunk, rows)
-    y = matrix.new_empty((n, cols))
-    work = torch.empty((n, cols), dtype=torch.int32, device=matrix.device)
-    spare = matrix.new_empty((n, cols)) if uniform is not None else None
+    y = _SCRATCH.get("values", (n, cols), torch.float32, matrix.device)
+    work = _SCRATCH.get("work", (n, cols), torch.int32, matrix.device)
+    spare = _SCRATCH.get("spare", (n, cols), torch.float32, matrix.device) if uniform is not None else None
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
         m = r1 - r0
@@ -285,8 +358,8 @@ def _pack_values(values: Tensor, half: Tensor, lo: Tensor, hi: Tensor, out: Tens
     torch.bitwise_right_shift(pair, 3, out=lo).bitwise_and_(0x10001000)  # sign bits 15, 31 -> 12, 28
     torch.bitwise_and(pair, 0x0E000E00, out=hi).bitwise_or_(lo)  # nibbles at bits 9..12 and 25..28
     hi.bitwise_right_shift_(9)  # nibbles at 0..3 and 16..19
-    torch.bitwise_right_shift(hi, 12, out=lo).bitwise_or_(hi).bitwise_and_(0xFF)
-    out.copy_(lo)
+    torch.bitwise_right_shift(hi, 12, out=lo).bitwise_or_(hi)
+    out.copy_(lo)  # int32 -> uint8 keeps the low byte
 
 
 def quantize(
@@ -298,15 +371,15 @@ def quantize(
     generator: torch.Generator | None = None,
 ) -> NVFP4Quantized:
     """Quantize ``x`` (fp32/bf16/fp16) to NVFP4 with 1x16 blocks along ``dim`` (or 16x16 tiles)."""
-    matrix, d = _to_block_matrix(x, dim, block_2d)
+    matrix, d = _to_block_matrix(x, dim, block_2d, scratch=True)
     scales = _block_scales(matrix, block_2d)
-    uniform = _new_uniform(matrix, generator) if stochastic_rounding else None
+    uniform = _new_uniform(matrix, generator, scratch=True) if stochastic_rounding else None
     rows, cols = matrix.shape
     codes = torch.empty((rows, cols // 2), dtype=torch.uint8, device=x.device)
-    n = min(rows, max(1, _CHUNK_ELEMENTS // max(cols, 1))) if codes.numel() else 0
-    half = torch.empty((n, cols), dtype=torch.float16, device=x.device)
-    lo = torch.empty((n, cols // 2), dtype=torch.int32, device=x.device)
-    hi = torch.empty_like(lo)
+    n = min(rows, _chunk_rows(matrix)) if codes.numel() else 0
+    half = _SCRATCH.get("half", (n, cols), torch.float16, x.device)
+    lo = _SCRATCH.get("lo", (n, cols // 2), torch.int32, x.device)
+    hi = _SCRATCH.get("hi", (n, cols // 2), torch.int32, x.device)
 
     def emit(r0: int, r1: int, values: Tensor) -> None:
         m = r1 - r0
@@ -315,7 +388,7 @@ def quantize(
     _round_matrix(matrix, scales, uniform, emit)
     return NVFP4Quantized(
         codes=codes,
-        scales=e4m3_to_bytes(scales.scale),
+        scales=scales.scale.to(torch.float8_e4m3fn).view(torch.uint8),  # exact: already E4M3 values
         amax=scales.amax,
         shape=x.shape,
         dim=d,
@@ -333,10 +406,10 @@ def dequantize(q: NVFP4Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
     out = torch.empty((rows, cols), dtype=torch.float32, device=q.codes.device)
     if out.numel() == 0:
         return _from_block_matrix(out, q.shape, q.dim).to(dtype)
-    chunk = max(1, _CHUNK_ELEMENTS // cols)
+    chunk = _chunk_rows(out)
     n = min(chunk, rows)
-    byte = torch.empty((n, cols // 2), dtype=torch.int32, device=q.codes.device)
-    sign = torch.empty_like(byte)
+    byte = _SCRATCH.get("lo", (n, cols // 2), torch.int32, q.codes.device)
+    sign = _SCRATCH.get("hi", (n, cols // 2), torch.int32, q.codes.device)
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
         m = r1 - r0
@@ -363,9 +436,9 @@ def fake_quantize(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """``dequantize(quantize(x, ...))`` fused into one pass over the data; fp32, in x's shape."""
-    matrix, d = _to_block_matrix(x, dim, block_2d)
+    matrix, d = _to_block_matrix(x, dim, block_2d, scratch=True)
     scales = _block_scales(matrix, block_2d)
-    uniform = _new_uniform(matrix, generator) if stochastic_rounding else None
+    uniform = _new_uniform(matrix, generator, scratch=True) if stochastic_rounding else None
     rows, cols = matrix.shape
     out = torch.empty_like(matrix)
     blocks = cols // BLOCK_SIZE

@@ -1,13 +1,18 @@
 """Grouped matrix multiply for routed experts: one GEMM per expert over its slice of expert-sorted rows.
 
-`grouped_mm` lays each expert's rows into a zero-padded [E, capacity, K] block and runs one batched matmul, so
-the hot path has no Python loop over experts (the cost of the padding is the load imbalance, which the
-router-bias update keeps small). `grouped_mm_ref` is the loop that defines the result.
+`grouped_mm` uses torch's native grouped GEMM (`torch.nn.functional.grouped_mm`, a CPU and GPU kernel since torch
+2.10) where it applies: fp32/bf16/fp16, rows and weights whose strides are multiples of 16 bytes, at least one row.
+Elsewhere `grouped_mm_padded` lays each expert's rows into a zero-padded [E, capacity, K] block and runs one batched
+matmul (the cost of the padding is the load imbalance). Neither has a Python loop over experts.
+`grouped_mm_ref` is the loop that defines the result.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def padded_slots(group_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -20,8 +25,26 @@ def padded_slots(group_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return expert_of_row, slot_of_row, capacity
 
 
+def native_applies(x_SK: torch.Tensor, w_EOK: torch.Tensor) -> bool:
+    if not hasattr(F, "grouped_mm") or x_SK.dtype not in NATIVE_DTYPES or w_EOK.dtype != x_SK.dtype:
+        return False
+    aligned = 16 // x_SK.element_size()
+    return x_SK.shape[0] > 0 and x_SK.is_contiguous() and w_EOK.is_contiguous() \
+        and w_EOK.shape[1] % aligned == 0 and w_EOK.shape[2] % aligned == 0
+
+
 def grouped_mm(x_SK: torch.Tensor, w_EOK: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """y[rows of expert e] = x[rows of expert e] @ w[e].T, for rows sorted by expert."""
+    if not native_applies(x_SK, w_EOK):
+        return grouped_mm_padded(x_SK, w_EOK, group_sizes)
+    offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
+    y_SO = F.grouped_mm(x_SK, w_EOK.transpose(1, 2), offs=offsets)
+    if y_SO.requires_grad:
+        y_SO.register_hook(torch.Tensor.contiguous)  # its backward rejects stride-0 (expanded) gradients
+    return y_SO
+
+
+def grouped_mm_padded(x_SK: torch.Tensor, w_EOK: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     num_experts, out_features, in_features = w_EOK.shape
     expert_of_row, slot_of_row, capacity = padded_slots(group_sizes)
     padded_ECK = x_SK.new_zeros(num_experts, capacity, in_features)

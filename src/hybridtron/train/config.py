@@ -40,6 +40,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient L2 norm (0 = off)
     precision: str = "fp32"  # fp32 | bf16 (autocast) | nvfp4 | mxfp8 (emulated, by the precision policy)
+    precision_policy: str = "ultra"  # nvfp4/mxfp8: "ultra" (Nemotron 3 Ultra's mixed policy) or "all" (ablation)
+    nvfp4_stochastic_rounding: bool = True  # nvfp4 ablation switches: SR on gradients,
+    nvfp4_rht: bool = True  # the Random Hadamard Transform on wgrad operands,
+    nvfp4_2d_weights: bool = True  # 16x16 weight blocks
     grad_accum_dtype: str = "fp32"  # dtype of the output layer's gradient accumulation across micro-batches
     mtp_loss_weight: float | None = None  # None: the model config's (0.1 in total over the depths)
     router_bias_rate: float = 1e-3  # aux-loss-free balancing: b_i += u * sign(mean load - load_i) every step
@@ -62,6 +66,11 @@ class TrainConfig:
             raise ValueError(f"train.decay_fraction must be in [0, 1], got {self.decay_fraction}")
         if self.precision not in ("fp32", "bf16", "nvfp4", "mxfp8"):
             raise ValueError(f"train.precision must be one of fp32, bf16, nvfp4, mxfp8; got {self.precision!r}")
+        if self.precision_policy not in ("ultra", "all"):
+            raise ValueError(f"train.precision_policy must be ultra or all, got {self.precision_policy!r}")
+        if self.precision != "nvfp4" and not (self.nvfp4_stochastic_rounding and self.nvfp4_rht
+                                              and self.nvfp4_2d_weights):
+            raise ValueError(f"train.nvfp4_* switches apply to train.precision=nvfp4, not {self.precision!r}")
         if self.grad_accum_dtype not in ("fp32", "bf16"):
             raise ValueError(f"train.grad_accum_dtype must be fp32 or bf16, got {self.grad_accum_dtype!r}")
 

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hybridtron.checkpoint.dcp import CheckpointManager
 from hybridtron.model.lm import HybridLM
+from hybridtron.numerics.grad_accum import flush_main_grads
 from hybridtron.train.balance import update_router_biases
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.hooks import Hooks
@@ -50,11 +51,12 @@ class Trainer:
             return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def train(self) -> None:
+    def train(self, until: int | None = None) -> None:
+        """Train to the schedule's end, or to step `until` (a branch continuing a checkpoint for a window)."""
         cfg, model = self.config, self.model
         model.train()
         self.hooks.on_train_start(self)
-        while self.step < self.schedule.total_steps:
+        while self.step < (self.schedule.total_steps if until is None else until):
             started, lr = time.perf_counter(), self.schedule.lr(self.step)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -66,6 +68,7 @@ class Trainer:
                 (out.loss / cfg.grad_accum).backward()
                 losses.append([out.loss.detach(), out.lm_loss.detach(), *[m.detach() for m in out.mtp_losses]])
                 counts = out.expert_counts if counts is None else counts + out.expert_counts
+            flush_main_grads(model)  # an output layer accumulating in grad_accum_dtype hands its gradient over
             loss, lm_loss, *mtp = torch.tensor(losses).mean(0).tolist()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf")))
             metrics = {"step": self.step + 1, "loss": loss, "lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm,

@@ -24,16 +24,18 @@ the steps whose update was applied; skipped and abandoned steps never enter the 
     nonfinite        NaN or Inf in a loss, grad_norm or any wgrad_norm/<group>
     loss_spike       lm_loss > mean + loss_spike_sigma * std of the last `window` steps, and > mean * (1 + min_rel)
     wgrad_growth     grad_norm or wgrad_norm/lm_head > wgrad_growth_factor x its rolling median
-    mtp_leads        an MTP depth pulls away from the main loss. The gap g_d = mtp_loss_d - lm_loss (same batch, so
-                     the batch's difficulty cancels) spikes above mean + mtp_lead_sigma * std, while lm_loss itself
-                     is not spiking; or the EMA of g_d rises above its running minimum by more than
-                     mtp_lead_rise x the EMA of lm_loss (a slow degradation of the MTP loss, Divergence 1's signature)
-    maxvio           a layer's MaxVio > maxvio_share x its bound E/K (the report: 4.8 -> 12 of 23.27 before trouble)
+    mtp_leads        an MTP depth's loss degrades while the main loss does not (Divergence 1's signature): the gap
+                     g_d = mtp_loss_d - lm_loss (same batch, so the batch's difficulty cancels) spikes above
+                     mean + mtp_lead_sigma * std while lm_loss itself is not spiking; or the EMA of mtp_loss_d rises
+                     more than mtp_lead_rise above its running minimum while the EMA of lm_loss rose less than half
+                     as much; judged from step mtp_lead_after on
+    maxvio           a layer's MaxVio > maxvio_share x its bound E/K (the report: 4.8 -> 12 of 23.27 before trouble);
+                     judged from step min_history on
     residual_spread  log10(max / min residual RMS across layers) > residual_spread_orders (the report saw 4)
 
 Responses, chosen per detector (`on_<detector>`):
 
-    warn      an event, once per episode (the detector must clear before it warns again)
+    warn      an event, once per episode (an episode ends when the detector has been quiet for `window` steps)
     skip      drop the step's update (after_backward returns False); `escalate_after` consecutive skips roll back
     rollback  restore the newest GOOD checkpoint and continue reading the data after the window that caused the
               trouble (the batches from the checkpoint to the bad step are never seen again); optionally scale the LR
@@ -62,9 +64,9 @@ budget cut), which a rollback keeps and a resume restores.
 
 Fault injection, for tests and drills only (off by default): `monitor.inject_fault = "KIND@STEP[,KIND@STEP...]"`
 with KIND one of lr_spike (the LR x inject_lr_factor for that step's update), corrupt_batch (that step's batches
-replaced by uniformly random tokens), nan_grad (a NaN in one element of lm_head's weight gradient), router_bias
-(after that step, the first MoE layer's bias of expert 0 raised by inject_router_bias, so that expert takes every
-token). Each fault fires once per run, even if a rollback re-runs its step.
+replaced by uniformly random tokens), nan_grad (a NaN in one element of the final norm's weight gradient),
+router_bias (after that step, the first MoE layer's bias of expert 0 raised by inject_router_bias, so that expert
+takes every token). Each fault fires once per run, even if a rollback re-runs its step.
 """
 
 from __future__ import annotations
@@ -113,8 +115,10 @@ class MonitorConfig:
     loss_spike_min_rel: float = 0.05
     wgrad_growth_factor: float = 10.0
     mtp_lead_sigma: float = 6.0
-    mtp_lead_rise: float = 0.05  # EMA of (mtp - lm) above its minimum by this share of the loss
-    mtp_lead_ema: float = 0.9  # EMA decay per step (about a 10-step memory)
+    mtp_lead_rise: float = 0.05  # smoothed MTP loss this share above its minimum (the main loss not following)
+    mtp_lead_ema: float = 0.95  # EMA decay per step (about a 20-step memory)
+    mtp_lead_after: int = 100  # steps before mtp_leads judges: early on the MTP depths learn more slowly than the
+    #                            main head, so their gap grows by itself
     maxvio_share: float = 0.5  # of the bound E/K
     residual_spread_orders: float = 3.0
     # responses: warn | skip | rollback | anneal
@@ -136,6 +140,9 @@ class MonitorConfig:
     inject_router_bias: float = 1.0
 
     def validate(self) -> None:
+        for name in ("mtp_lead_after", "anneal_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"monitor.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("residual_every", "update_ratio_every", "underflow_every", "window", "min_history",
                      "escalate_after", "good_after", "max_rollbacks"):
             if getattr(self, name) <= 0:
@@ -150,8 +157,6 @@ class MonitorConfig:
                 raise ValueError(f"monitor.{name} must be a positive finite number, got {getattr(self, name)}")
         if not 0 < self.mtp_lead_ema < 1:
             raise ValueError(f"monitor.mtp_lead_ema must be in (0, 1), got {self.mtp_lead_ema}")
-        if self.anneal_steps < 0:
-            raise ValueError(f"monitor.anneal_steps must be >= 0, got {self.anneal_steps}")
         for detector in DETECTORS:
             response = self.response(detector)
             if response not in RESPONSES:
@@ -480,70 +485,62 @@ class WgradGrowth(Detector):
 
 
 class MtpLeads(Detector):
-    """See the module docstring: the gap mtp_loss_d - lm_loss, per step (spike) and smoothed (drift)."""
+    """An MTP depth's loss degrading while the main loss is not (see the module docstring): a spike of the per-step
+    gap mtp_loss_d - lm_loss, or a rise of the smoothed mtp_loss_d above its own running minimum."""
 
     name = "mtp_leads"
 
     def __init__(self, config):
         super().__init__(config)
-        self.main = Rolling(config.window)
         self.gaps: dict[str, Rolling] = {}
-        self.gap_ema: dict[str, float] = {}
-        self.gap_ema_min: dict[str, float] = {}
-        self.main_ema: float | None = None
+        self.main = Rolling(config.window)
+        self.ema: dict[str, float] = {}  # smoothed lm_loss and mtp_loss_<d>
+        self.ema_min: dict[str, float] = {}
         self.seen = 0
 
-    def _depth_keys(self, metrics):
-        return [k for k in metrics if k.startswith("mtp_loss_")]
+    def _smoothed(self, key: str, value: float) -> float:
+        beta = self.config.mtp_lead_ema
+        return beta * self.ema[key] + (1 - beta) * value
 
     def check(self, metrics):
-        lm = metrics.get("lm_loss")
-        if lm is None or self.seen < self.config.min_history:
+        cfg, lm = self.config, metrics.get("lm_loss")
+        if (lm is None or metrics["step"] <= cfg.mtp_lead_after or self.seen < cfg.min_history
+                or "lm_loss" not in self.ema_min):
             return None
-        cfg = self.config
         main_mean, main_std = self.main.mean_std()
         main_spiking = lm > main_mean + cfg.mtp_lead_sigma * main_std
-        main_ema = cfg.mtp_lead_ema * self.main_ema + (1 - cfg.mtp_lead_ema) * lm
-        for key in self._depth_keys(metrics):
+        main_rise = self._smoothed("lm_loss", lm) / self.ema_min["lm_loss"] - 1
+        for key in sorted(k for k in metrics if k.startswith("mtp_loss_") and k in self.ema_min):
             gap = metrics[key] - lm
-            history = self.gaps.get(key)
-            if history is None or len(history) < cfg.min_history or key not in self.gap_ema_min:
-                continue
-            mean, std = history.mean_std()
+            mean, std = self.gaps[key].mean_std()
             threshold = mean + cfg.mtp_lead_sigma * std
             if gap > threshold and not main_spiking:
                 return Finding(self.name, f"{key} - lm_loss = {gap:.4g} > {threshold:.4g} (mean {mean:.4g} + "
                                f"{cfg.mtp_lead_sigma:g} sigma) while lm_loss is not spiking", key, gap, threshold)
-            ema = cfg.mtp_lead_ema * self.gap_ema[key] + (1 - cfg.mtp_lead_ema) * gap
-            rise_threshold = self.gap_ema_min[key] + cfg.mtp_lead_rise * main_ema
-            if ema > rise_threshold:
-                return Finding(self.name, f"{key} drifts away from lm_loss: smoothed gap {ema:.4g} > its minimum "
-                               f"{self.gap_ema_min[key]:.4g} + {cfg.mtp_lead_rise:g} x loss {main_ema:.4g}",
-                               key, ema, rise_threshold)
+            rise = self._smoothed(key, metrics[key]) / self.ema_min[key] - 1
+            if rise > cfg.mtp_lead_rise and main_rise < rise / 2:
+                return Finding(self.name, f"smoothed {key} {rise:.1%} above its minimum, lm_loss {main_rise:.1%}",
+                               key, rise, cfg.mtp_lead_rise)
         return None
 
     def observe(self, metrics):
         lm = metrics.get("lm_loss")
-        if lm is None or not math.isfinite(lm):
+        values = {k: v for k, v in metrics.items() if k.startswith("mtp_loss_") or k == "lm_loss"}
+        if lm is None or not all(math.isfinite(v) for v in values.values()):
             return
-        beta = self.config.mtp_lead_ema
         self.main.add(lm)
-        self.main_ema = lm if self.main_ema is None else beta * self.main_ema + (1 - beta) * lm
-        for key in self._depth_keys(metrics):
-            gap = metrics[key] - lm
-            if not math.isfinite(gap):
-                continue
-            self.gaps.setdefault(key, Rolling(self.config.window)).add(gap)
-            self.gap_ema[key] = gap if key not in self.gap_ema else beta * self.gap_ema[key] + (1 - beta) * gap
-            # the minimum only counts once the EMA has settled past the first, fastest-learning steps
+        for key, value in values.items():
+            if key != "lm_loss":
+                self.gaps.setdefault(key, Rolling(self.config.window)).add(value - lm)
+            self.ema[key] = self._smoothed(key, value) if key in self.ema else value
+            # the minimum counts once the first, fastest-learning steps are past
             if self.seen >= self.config.min_history:
-                self.gap_ema_min[key] = min(self.gap_ema_min.get(key, math.inf), self.gap_ema[key])
+                self.ema_min[key] = min(self.ema_min.get(key, math.inf), self.ema[key])
         self.seen += 1
 
     def state_dict(self):
         return {"main": list(self.main.values), "gaps": {k: list(v.values) for k, v in self.gaps.items()},
-                "gap_ema": dict(self.gap_ema), "gap_ema_min": dict(self.gap_ema_min), "main_ema": self.main_ema,
-                "seen": self.seen}
+                "ema": dict(self.ema), "ema_min": dict(self.ema_min), "seen": self.seen}
 
     def load_state_dict(self, state):
         self.main.values.clear()
@@ -552,8 +549,7 @@ class MtpLeads(Detector):
         for key, values in state["gaps"].items():
             self.gaps[key] = Rolling(self.config.window)
             self.gaps[key].values.extend(values)
-        self.gap_ema, self.gap_ema_min = dict(state["gap_ema"]), dict(state["gap_ema_min"])
-        self.main_ema, self.seen = state["main_ema"], state["seen"]
+        self.ema, self.ema_min, self.seen = dict(state["ema"]), dict(state["ema_min"]), state["seen"]
 
 
 class MaxVio(Detector):
@@ -566,6 +562,8 @@ class MaxVio(Detector):
         self.bound = bound
 
     def check(self, metrics):
+        if metrics["step"] <= self.config.min_history:  # the router biases have not had time to balance yet
+            return None
         threshold = self.config.maxvio_share * self.bound
         for key in sorted(k for k in metrics if k.startswith("maxvio/")):
             if metrics[key] > threshold:
@@ -630,7 +628,8 @@ class StabilityMonitor(Hook):
         self.run_dir = run_dir
         self.detectors = [NonFinite(config), LossSpike(config), WgradGrowth(config), MtpLeads(config),
                           ResidualSpread(config), MaxVio(config, maxvio_bound)]
-        self.active: set[str] = set()  # detectors that fired on the previous accepted step (warn once per episode)
+        self.last_fired: dict[str, int] = {}  # detector -> step it last fired (a warn episode ends after `window`
+        #                                       quiet steps)
         self.consecutive_skips = 0
         self.pending: dict | None = None  # the rollback or anneal Recovery carries out at the end of this step
         # the run's history: kept across rollbacks, restored on resume
@@ -645,7 +644,7 @@ class StabilityMonitor(Hook):
     def after_backward(self, trainer, metrics):
         self.pending = None
         pre = [d for d in self.detectors if d.name not in POST_UPDATE_DETECTORS]
-        action = self._respond(trainer, metrics, pre)
+        action = self._respond(trainer, metrics, pre, can_skip=True)
         if action == "apply":
             self.consecutive_skips = 0
             for detector in pre:
@@ -654,30 +653,29 @@ class StabilityMonitor(Hook):
 
     def on_step_end(self, trainer, metrics):
         if self.pending is None:
-            self._respond(trainer, metrics, [d for d in self.detectors if d.name in POST_UPDATE_DETECTORS])
+            self._respond(trainer, metrics, [d for d in self.detectors if d.name in POST_UPDATE_DETECTORS],
+                          can_skip=False)
 
-    def _respond(self, trainer, metrics, detectors) -> str:
-        """Judge, log, and decide: 'apply' (the update stands), 'skip', or a pending 'rollback' / 'anneal'."""
+    def _respond(self, trainer, metrics, detectors, can_skip: bool) -> str:
+        """Judge, log, and decide: 'apply' (the update stands), 'skip', or a pending 'rollback' / 'anneal'.
+        `can_skip`: the update is still to come (after_backward), so dropping it is possible."""
         step = metrics["step"]
-        # NaN/Inf makes every other comparison meaningless
         findings = []
         for detector in detectors:
             finding = detector.check(metrics)
             if finding is not None:
                 findings.append(finding)
                 if detector.name == "nonfinite":
-                    break
-        fired = {f.detector for f in findings}
-        names = {d.name for d in detectors}
-        new_active = (self.active - names) | fired
+                    break  # NaN/Inf makes every other comparison meaningless
         chosen = "warn"
         for finding in findings:
             response = self.config.response(finding.detector)
-            if response != "warn" or finding.detector not in self.active:
+            last = self.last_fired.get(finding.detector)
+            if response != "warn" or last is None or step - last > self.config.window:
                 self._event(metrics, finding.detector, response, finding.message, key=finding.key,
                             value=_clean(finding.value), threshold=_clean(finding.threshold))
+            self.last_fired[finding.detector] = step
             chosen = max(chosen, response, key=SEVERITY.get)
-        self.active = new_active
         if chosen == "skip":
             self.consecutive_skips += 1
             if self.consecutive_skips >= self.config.escalate_after:
@@ -686,8 +684,10 @@ class StabilityMonitor(Hook):
         if chosen in ("rollback", "anneal"):
             target = trainer.checkpoints.latest(good_only=True)
             if target is None:
-                self._event(metrics, "monitor", "skip", f"no GOOD checkpoint to {chosen} to; dropping the update")
-                chosen = "skip"
+                fallback = "skip" if can_skip else "warn"
+                self._event(metrics, "monitor", fallback, f"no GOOD checkpoint to {chosen} to"
+                            + ("; dropping the update" if can_skip else ""))
+                chosen = fallback
             else:
                 if self.history["rollbacks"] >= self.config.max_rollbacks:
                     self._event(metrics, "monitor", "give_up", f"{chosen} requested after "
@@ -712,6 +712,7 @@ class StabilityMonitor(Hook):
         trainer.schedule.peak_lr = trainer.config.lr * self.history["lr_scale"]
         if self.history["grad_accum_dtype"] is not None:
             trainer.config = dataclasses.replace(trainer.config, grad_accum_dtype=self.history["grad_accum_dtype"])
+            set_output_accumulation(trainer.model, self.history["grad_accum_dtype"])
 
     @contextlib.contextmanager
     def keeping_history(self):
@@ -723,15 +724,26 @@ class StabilityMonitor(Hook):
             self._keep_history = False
 
     def state_dict(self):
-        return {"detectors": {d.name: d.state_dict() for d in self.detectors}, "active": sorted(self.active),
+        return {"detectors": {d.name: d.state_dict() for d in self.detectors}, "last_fired": dict(self.last_fired),
                 "consecutive_skips": self.consecutive_skips, "history": dict(self.history)}
 
     def load_state_dict(self, state):
         for detector in self.detectors:
             detector.load_state_dict(state["detectors"][detector.name])
-        self.active, self.consecutive_skips = set(state["active"]), state["consecutive_skips"]
+        self.last_fired, self.consecutive_skips = dict(state["last_fired"]), state["consecutive_skips"]
         if not self._keep_history:
             self.history = dict(state["history"])
+
+
+def set_output_accumulation(model: torch.nn.Module, dtype: str) -> None:
+    """Switch the output layer's Megatron-style main_grad (numerics.grad_accum.MainGradLinear) to `dtype`. Only
+    between optimizer steps, when the buffer is empty (flushed into weight.grad and zeroed)."""
+    from hybridtron.numerics.grad_accum import ACCUM_DTYPES, MainGradLinear
+
+    for module in model.modules():
+        if isinstance(module, MainGradLinear) and module.accum_dtype != dtype:
+            module.main_grad = torch.zeros_like(module.main_grad, dtype=ACCUM_DTYPES[dtype])
+            module.accum_dtype = dtype
 
 
 class Recovery(Hook):
@@ -760,7 +772,10 @@ class Recovery(Hook):
         for path in trainer.checkpoints.list():
             step = step_of(path)
             if not (path / GOOD).exists() and step + self.monitor.config.good_after <= trainer.step:
-                trainer.checkpoints.mark_good(step)
+                try:
+                    trainer.checkpoints.mark_good(step)
+                except FileNotFoundError:  # pruned by the checkpoint writer thread meanwhile
+                    continue
                 self.monitor.events.write(trainer.step, "checkpoint", "mark_good", f"step {step}: "
                                           f"{trainer.step - step} steps past it without a rollback")
 
@@ -876,7 +891,8 @@ class FaultInjector(Hook):
         self.trainer = trainer
         if not isinstance(trainer.loader, _CorruptingLoader):
             trainer.loader = _CorruptingLoader(trainer.loader, self)
-        self.handle = trainer.model.lm_head.weight.register_hook(self._poison)
+        # the final norm's weight: every token's gradient passes through it, whatever lm_head has become
+        self.handle = trainer.model.backbone.norm_f.weight.register_hook(self._poison)
 
     def _poison(self, grad):
         step = self.trainer.step + 1

@@ -52,6 +52,7 @@ def resolve_config(args) -> RunConfig:
 def run(args) -> int:
     from hybridtron.data import build_data
     from hybridtron.model.lm import HybridLM
+    from hybridtron.numerics.policy import convert_for_training
     from hybridtron.train import hooks as H
     from hybridtron.train.loop import Trainer
     from hybridtron.train.monitor import monitor_hooks
@@ -83,6 +84,7 @@ def run(args) -> int:
     if config.train.mtp_loss_weight is not None:
         model_config = model_config.replace(mtp_loss_weight=config.train.mtp_loss_weight)
     model = HybridLM(model_config)
+    convert_for_training(model, config.train)  # precision policy, output-layer grad accumulation dtype
     logger = H.MetricsLogger(out, every=config.train.log_every)
     watch, recovery = monitor_hooks(config.monitor, out, model_config)
     hooks = [H.ExpertLoad(config.train.maxvio_window), H.Validation(data.val_batches, config.train.val_every),

@@ -1,0 +1,297 @@
+"""Decode speed: hybridtron against transformers, MTP self-speculative decoding, and decode time against context.
+
+Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Three sections, one run:
+
+1. `hf`: decode tokens/s of hybridtron's `generate` and transformers' `NemotronHForCausalLM.generate` on the same
+   checkpoint (random weights saved with `save_pretrained`, loaded by both), for the `tiny` and `bench22m` presets.
+   Decode time per token = (time for 1 + N tokens - time for 1 token) / N, so the prompt's prefill cancels out.
+   dt_bias is shifted up so that transformers' prefill clamp at time_step_min (SPEC-model.md) does not change the
+   function; the two must emit the same greedy tokens before anything counts.
+2. `speculative`: a tiny model trained here, briefly, from scratch (120 AdamW steps of 8 x 64 tokens, with the MTP loss)
+   on a synthetic order-1 Markov chain (each token has one likely successor, p = 0.9, else a uniform token), then
+   MTP-boosted (`hybridtron.post.mtp_boost`: backbone frozen, forward KL at T = 2 on its own samples, self-
+   conditioned over 7 depths). The data is easy on purpose: the section measures what drafting costs and gains
+   when the drafts are good, as they are for a large model's MTP; the acceptance lengths are printed beside the
+   speedups. The bench model has 16 backbone layers for the MTP block's 2, closer to real models (Nano: 52 layers,
+   Ultra: 108) than the 8 of `tiny`; the `tiny` ratio is printed too. Plain and speculative greedy outputs must be
+   identical.
+3. `context`: per-token decode time after a prompt of 1K and 16K tokens, for the `tiny` hybrid (3 Mamba layers,
+   1 attention) and an all-attention model of the same width and depth (every Mamba layer replaced by attention).
+   The hybrid's time should stay nearly flat; attention reads a KV cache that grows with the context.
+4. `drift` (only when asked): KL of a lower-precision SSM state to the fp32 state over a long teacher-forced
+   decode of the trained bench model (`hybridtron.infer.cache.state_quant_drift`).
+
+Each measurement is repeated; tables report medians. The machine is shared: ratios of back-to-back timings are
+more trustworthy than absolute numbers.
+
+    python bench/decode.py                                   # sections hf, speculative, context
+    python bench/decode.py --sections speculative drift --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hybridtron.config import ATTENTION, MAMBA, ModelConfig, bench22m, parse_pattern, tiny
+from hybridtron.infer.cache import state_quant_drift
+from hybridtron.infer.generate import Decoder, generate
+from hybridtron.infer.sampling import SamplingParams
+from hybridtron.infer.speculative import SpeculativeDecoder
+from hybridtron.infer.state_quant import MODES
+from hybridtron.model.lm import HybridLM
+from hybridtron.post.mtp_boost import BoostConfig, boost_mtp
+
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+# ------------------------------------------------------------------------------------------------ 1. vs HF
+@torch.no_grad()
+def keep_dt_above_time_step_min(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if hasattr(module, "dt_bias"):
+            module.dt_bias.add_(1.0)
+
+
+def bench_against_transformers(name: str, config: ModelConfig, tokens: int, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ours = HybridLM(config).eval()
+    keep_dt_above_time_step_min(ours)
+    with tempfile.TemporaryDirectory() as directory:
+        ours.save_pretrained(directory)
+        ours = HybridLM.from_pretrained(directory).eval()
+        theirs = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    prompt = torch.randint(3, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
+
+    def run_ours(n):
+        return generate(ours, prompt.tolist(), greedy(n))[0]
+
+    @torch.no_grad()
+    def run_theirs(n):
+        out = theirs.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=config.pad_token_id)
+        return out[0, prompt.shape[1]:].tolist()
+
+    if run_ours(tokens + 1) != run_theirs(tokens + 1):
+        raise RuntimeError(f"{name}: hybridtron and transformers emit different greedy tokens; not timing")
+    ours_s, theirs_s = [], []
+    for _ in range(repeats):  # back to back, so a slow moment of the machine hits both
+        ours_s.append((timed(lambda: run_ours(tokens + 1)) - timed(lambda: run_ours(1))) / tokens)
+        theirs_s.append((timed(lambda: run_theirs(tokens + 1)) - timed(lambda: run_theirs(1))) / tokens)
+    ours_t, theirs_t = statistics.median(ours_s), statistics.median(theirs_s)
+    return dict(name=name, ours_ms=ours_t * 1e3, theirs_ms=theirs_t * 1e3, speedup=theirs_t / ours_t)
+
+
+def hf_table(rows: list[dict], tokens: int) -> str:
+    lines = [f"Decode, batch 1, greedy, fp32, {tokens} tokens after a 32-token prompt; same checkpoint, same tokens.",
+             "", "| model | hybridtron ms/token | transformers ms/token | hybridtron tok/s | transformers tok/s "
+             "| speedup |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['ours_ms']:.2f} | {r['theirs_ms']:.2f} | {1e3 / r['ours_ms']:.1f} | "
+                     f"{1e3 / r['theirs_ms']:.1f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- 2. speculative
+def bench_model_config() -> ModelConfig:
+    """`tiny` with a 512-token vocabulary and 16 backbone layers (the MTP block keeps its 2)."""
+    return tiny(vocab_size=512, layers_block_type=parse_pattern("ME*EM-MEME*EM-ME"), max_position_embeddings=2048)
+
+
+def markov_chain(vocab: int, rows: int, length: int, follow: float, seed: int) -> torch.Tensor:
+    """Token t+1 is successor[token t] with probability `follow`, else uniform (token ids from 3: 0-2 special)."""
+    g = torch.Generator().manual_seed(seed)
+    successor = torch.randint(3, vocab, (vocab,), generator=torch.Generator().manual_seed(1234))
+    out = torch.empty(rows, length, dtype=torch.long)
+    out[:, 0] = torch.randint(3, vocab, (rows,), generator=g)
+    for t in range(1, length):
+        noise = torch.randint(3, vocab, (rows,), generator=g)
+        keep = torch.rand(rows, generator=g) < follow
+        out[:, t] = torch.where(keep, successor[out[:, t - 1]], noise)
+    return out
+
+
+def train_briefly(model: HybridLM, steps: int, batch: int, length: int, lr: float, log) -> float:
+    """AdamW from scratch on the Markov chain, loss = CE + the model's MTP loss; returns the last loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(0.0)
+    for step in range(steps):
+        ids = markov_chain(model.config.vocab_size, batch, length + 1, 0.9, seed=step)
+        loss = model(ids[:, :-1], ids[:, 1:]).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        for group in optimizer.param_groups:  # linear warmup over the first 10% of the steps
+            group["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10))
+        optimizer.step()
+        if step % max(1, steps // 5) == 0 or step == steps - 1:
+            log(f"  train step {step + 1}/{steps}: loss {loss.item():.3f}")
+    model.eval()
+    return loss.item()
+
+
+def decode_rate(model, prompt: list[int], tokens: int, repeats: int, draft_length: int | None):
+    """(median tokens/s, tokens, mean acceptance length) of greedy decoding, plain or speculative."""
+    seconds, outputs, acceptance = [], None, None
+    for _ in range(repeats):
+        if draft_length is None:
+            decoder = Decoder(model, [prompt], greedy(tokens))
+        else:
+            decoder = SpeculativeDecoder(model, [prompt], greedy(tokens), draft_length=draft_length)
+
+        def run():
+            for _ in decoder:
+                pass
+        seconds.append(timed(run))
+        outputs = decoder.sequences[0].tokens
+        acceptance = getattr(decoder, "stats", None)
+    rate = tokens / statistics.median(seconds)
+    return rate, outputs, acceptance.mean_acceptance_length if acceptance is not None else None
+
+
+def bench_speculative(args, log) -> tuple[str, HybridLM]:
+    config = bench_model_config()
+    torch.manual_seed(0)
+    model = HybridLM(config)
+    started = time.perf_counter()
+    final_loss = train_briefly(model, args.train_steps, batch=8, length=64, lr=3e-3, log=log)
+    trained_s = time.perf_counter() - started
+    held_out = markov_chain(config.vocab_size, 8, 16, 0.9, seed=10_000)
+    boost = BoostConfig(steps=args.boost_steps, lr=1e-3, num_samples=64, sample_length=48, depths=7,
+                        draft_length=7, eval_tokens=64)
+    started = time.perf_counter()
+    result = boost_mtp(model, [[t] for t in range(3, 67)], held_out.tolist(), boost,
+                       log=lambda line: log("  boost " + line))
+    boosted_s = time.perf_counter() - started
+    prompt = held_out[0].tolist()
+    plain_rate, plain_tokens, _ = decode_rate(model, prompt, args.tokens, args.repeats, None)
+    rows = []
+    for k in range(1, 8):
+        rate, tokens, acceptance = decode_rate(model, prompt, args.tokens, args.repeats, k)
+        if tokens != plain_tokens:
+            raise RuntimeError(f"draft length {k}: speculative greedy output differs from plain greedy decoding")
+        rows.append((k, rate, acceptance))
+    best = max(rows, key=lambda r: r[1])
+    lines = [
+        f"Bench model: `tiny` with vocab 512 and 16 layers (`ME*EM-MEME*EM-ME`), trained from scratch for "
+        f"{args.train_steps} steps on a synthetic Markov chain (final loss {final_loss:.3f}, {trained_s:.0f}s), then "
+        f"MTP-boosted for {args.boost_steps} steps ({boosted_s:.0f}s; greedy acceptance length at k = 7 "
+        f"{result.acceptance_before:.2f} -> {result.acceptance_after:.2f}). Batch 1, greedy, {args.tokens} tokens; "
+        f"speculative output identical to plain.", "",
+        "| decoding | tokens/s | speedup | mean acceptance length |", "|---|---:|---:|---:|",
+        f"| plain | {plain_rate:.1f} | 1.00x | - |"]
+    for k, rate, acceptance in rows:
+        lines.append(f"| speculative, k = {k} | {rate:.1f} | {rate / plain_rate:.2f}x | {acceptance:.2f} |")
+    lines.append("")
+    lines.append(f"best: k = {best[0]}, {best[1] / plain_rate:.2f}x (goal >= 2x: "
+                 f"{'met' if best[1] / plain_rate >= 2 else 'MISSED'})")
+    return "\n".join(lines), model
+
+
+# ---------------------------------------------------------------------------------------------- 3. context
+def all_attention(config: ModelConfig) -> ModelConfig:
+    return config.replace(layers_block_type=tuple(ATTENTION if k == MAMBA else k for k in config.layers_block_type))
+
+
+@torch.no_grad()
+def per_token_ms(model: HybridLM, context: int, steps: int, repeats: int, chunk: int) -> float:
+    prompt = torch.randint(3, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    decoder = Decoder(model, [prompt.tolist()], greedy(steps * repeats + 2), prefill_chunk=chunk)
+    decoder.step()
+    decoder.step()  # warm up the one-token path
+    samples = [timed(lambda: [decoder.step() for _ in range(steps)]) / steps for _ in range(repeats)]
+    return statistics.median(samples) * 1e3
+
+
+def bench_context(args, log) -> str:
+    longest = max(args.contexts)
+    hybrid = tiny(max_position_embeddings=longest + 64)
+    rows = []
+    for name, config in (("hybrid `ME*EM-ME` (3 Mamba, 1 attention)", hybrid),
+                         ("all-attention `*E*E*-*E` (4 attention)", all_attention(hybrid))):
+        torch.manual_seed(0)
+        model = HybridLM(config).eval()
+        times = []
+        for context in args.contexts:
+            log(f"  {name}: context {context}")
+            times.append(per_token_ms(model, context, steps=16, repeats=args.repeats, chunk=512))
+        rows.append((name, times))
+    header = " | ".join(f"ms/token at {c:,}" for c in args.contexts)
+    lines = [f"Decode time per token after a prompt of each length (batch 1, fp32, KV cache preallocated; width "
+             f"{hybrid.hidden_size}, 8 layers).", "", f"| model | {header} | ratio last/first |",
+             "|---|" + "---:|" * (len(args.contexts) + 1)]
+    for name, times in rows:
+        lines.append(f"| {name} | " + " | ".join(f"{t:.2f}" for t in times) + f" | {times[-1] / times[0]:.2f}x |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ 4. drift
+def bench_drift(model: HybridLM, args, log) -> str:
+    tokens = markov_chain(model.config.vocab_size, 4, args.drift_tokens, 0.9, seed=20_000)
+    modes = [m for m in MODES if m != "fp32"]
+    log(f"  drift: {len(modes)} modes x {args.drift_tokens} tokens")
+    drift = state_quant_drift(model, tokens, modes, seed=0)
+    lines = [f"KL(fp32 state || stored state) per token, teacher-forced decode of {args.drift_tokens} tokens x 4 "
+             f"sequences of the trained bench model.", "", "| SSM state | mean KL | mean KL, last quarter |",
+             "|---|---:|---:|"]
+    for mode in modes:
+        lines.append(f"| {mode} | {drift[mode].mean_kl:.3e} | {drift[mode].last_quarter_kl:.3e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", nargs="+", default=["hf", "speculative", "context"],
+                        choices=["hf", "speculative", "context", "drift"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens decoded per speculative measurement")
+    parser.add_argument("--hf-tokens", type=int, default=64, help="tokens decoded per transformers comparison")
+    parser.add_argument("--train-steps", type=int, default=120)
+    parser.add_argument("--boost-steps", type=int, default=60)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 16384])
+    parser.add_argument("--drift-tokens", type=int, default=1024)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    out = [f"torch {torch.__version__}, torch.set_num_threads({args.threads})"]
+    if "hf" in args.sections:
+        log("hybridtron vs transformers ...")
+        rows = [bench_against_transformers(name, config, args.hf_tokens, args.repeats)
+                for name, config in (("tiny", tiny()), ("bench22m", bench22m()))]
+        out.append(hf_table(rows, args.hf_tokens))
+        worst = min(r["speedup"] for r in rows)
+        out.append(f"goal >= 3x: {'met' if worst >= 3 else 'MISSED'} (lowest {worst:.2f}x)")
+    trained = None
+    if "speculative" in args.sections or "drift" in args.sections:
+        log("speculative decoding ...")
+        table, trained = bench_speculative(args, log)
+        if "speculative" in args.sections:
+            out.append(table)
+    if "context" in args.sections:
+        log("decode time against context ...")
+        out.append(bench_context(args, log))
+    if "drift" in args.sections:
+        out.append(bench_drift(trained, args, log))
+    print("\n\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

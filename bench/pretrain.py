@@ -1,0 +1,97 @@
+"""Pretraining throughput and model FLOPs utilization (MFU) against this machine's measured matmul peak.
+
+    python bench/pretrain.py [--threads 2] [--steps 5] [--batch 4] [--seq 512]
+
+The peak is measured here, in the same run: a large square matmul in fp32 and in bf16. Model FLOPs per token of a
+training step (forward + backward) are 6 x the active matmul parameters (embedding table excluded: it is a lookup)
+plus 6 x T x (query heads x head_dim) per attention layer for the causal score and value products; the Mamba scan is
+counted too, as 6 x the FLOPs of its chunked form's matmuls. MFU = achieved model FLOP/s / peak FLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from hybridtron.config import bench22m
+from hybridtron.model.lm import HybridLM
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 8) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * size ** 3 / best
+
+
+def model_flops_per_token(model: HybridLM, seq_len: int) -> float:
+    cfg = model.config
+    matmul_params = model.num_parameters(active=True)  # excludes the embedding table
+    attention_layers = cfg.layers_block_type.count("full_attention")
+    attention = 6 * attention_layers * seq_len * cfg.num_attention_heads * cfg.head_dim
+    # chunked SSD per token and head: C.B^T and the masked product over a chunk (2 x chunk x (N + P)), chunk states
+    # and their read-out (2 x 2 x P x N)
+    chunk = min(cfg.chunk_size, seq_len)
+    ssd = cfg.layers_block_type.count("linear_attention") * cfg.mamba_num_heads * (
+        2 * chunk * (cfg.ssm_state_size + cfg.mamba_head_dim) + 4 * cfg.mamba_head_dim * cfg.ssm_state_size)
+    mtp = 0
+    if model.mtp is not None:  # each depth runs the MTP block and the lm_head again
+        mtp_params = sum(p.numel() for n, p in model.mtp.named_parameters() if ".experts." not in n)
+        mtp_params += model.mtp.layers[-1].mixer.experts.up_proj[0].numel() * 2 * cfg.num_experts_per_tok
+        mtp = cfg.mtp_num_depths * 6 * (mtp_params + model.lm_head.weight.numel())
+    return 6 * matmul_params + attention + 3 * ssd + mtp
+
+
+def step_time(model: HybridLM, batch: int, seq_len: int, steps: int, autocast: bool) -> float:
+    ids = torch.randint(3, model.config.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(ids, -1, dims=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    times = []
+    for i in range(steps + 1):
+        started = time.perf_counter()
+        with context:
+            loss = model(ids, labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i:  # the first step warms up allocators and caches
+            times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    model = HybridLM(bench22m())
+    flops_per_token = model_flops_per_token(model, args.seq)
+    tokens = args.batch * args.seq
+    print(f"bench22m: {model.num_parameters() / 1e6:.1f}M parameters, {model.num_parameters(active=True) / 1e6:.1f}M "
+          f"active; {flops_per_token / 1e6:.1f} MFLOP per token per training step; batch {args.batch}x{args.seq}, "
+          f"{args.threads} threads")
+    print("\n| precision | matmul peak (GFLOP/s) | step (s) | tokens/s | model GFLOP/s | MFU vs its peak | MFU vs fp32 peak |")
+    print("|---|---|---|---|---|---|---|")
+    for precision, autocast in (("fp32", False), ("bf16", True)):
+        seconds = step_time(model, args.batch, args.seq, args.steps, autocast)
+        achieved = flops_per_token * tokens / seconds
+        print(f"| {precision} | {peaks[precision] / 1e9:.0f} | {seconds:.3f} | {tokens / seconds:.0f} | "
+              f"{achieved / 1e9:.1f} | {achieved / peaks[precision]:.0%} | {achieved / peaks['fp32']:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

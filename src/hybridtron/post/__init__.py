@@ -1,0 +1,1 @@
+"""Post-training: algorithms that start from a pretrained checkpoint (MTP boosting, `mtp_boost.py`)."""
