@@ -51,7 +51,6 @@ def test_checkpoint_errors_name_the_path(tmp_path):
         resolve_checkpoint(step)
 
 
-@pytest.mark.slow
 def test_branch_a_tiny_nvfp4_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HYBRIDTRON_CACHE", str(tmp_path / "cache"))
     run = tmp_path / "run"

@@ -58,6 +58,12 @@ def test_matches_torchao_rceil():
         assert torch.equal(q.data, ao.qdata.view(torch.uint8))
         assert torch.equal(q.scales, ao.scale.view(torch.uint8))
         assert torch.equal(bits(mxfp8.dequantize(q)), bits(ao.dequantize(torch.float32)))
+    # The documented difference: block_amax / 448 one ulp above 2^10 needs e = 11, but torchao's fp32
+    # log2 returns exactly 10.0, so its scale is one binade low (and the block maximum saturates).
+    x = torch.zeros(1, 32)
+    x[0, 0] = 448 * 2.0**10 * (1 + 2**-23)
+    ao = mx_tensor.MXTensor.to_mx(x, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL)
+    assert mxfp8.quantize(x).scales.item() == 127 + 11 and ao.scale.view(torch.uint8).item() == 127 + 10
 
 
 @pytest.mark.parametrize("fn", [mxfp8.quantize, mxfp8.quantize_ref, mxfp8.fake_quantize])

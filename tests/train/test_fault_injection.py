@@ -2,8 +2,11 @@
 within a few steps, its response runs, the run finishes with a validation loss within MARGIN of a clean run's, and
 no checkpoint or metrics line is lost.
 
-The runs are small (tiny preset with a 512-token vocabulary, 4 x 64 tokens per step, 30 steps, checkpoints every
-8 steps, detectors judging from step 8) so that each takes well under a minute on two idle cores."""
+The runs are small: the tiny preset with a 512-token vocabulary, 4 x 64 tokens per step, 30 steps, checkpoints
+every 8 steps, detectors judging from step 8. Batches that small make a noisy loss (the rolling standard deviation
+is about 0.65 nats at a loss of 4.9), so loss spikes count from 4 sigma here; over clean runs the largest step was
+1.5 sigma above its window. MaxVio is counted over 3 steps and judged at 0.9 of its bound: the tiny model's own
+early imbalance reaches about 0.8 of it (3.1 of 4)."""
 
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ def overrides(cache: Path, *extra: str) -> list[str]:
     return ["data.families=json,text,functional", "data.vocab_size=512", "model.vocab_size=512",
             f"data.cache_dir={cache}", "data.seq_len=64", "data.batch_size=4", "data.val_batches=2",
             f"train.checkpoint_every={EVERY}", "train.val_every=1000", "train.warmup_steps=5",
-            "monitor.min_history=8", "monitor.window=20", f"monitor.good_after={EVERY}", *extra]
+            "monitor.min_history=8", "monitor.window=20", f"monitor.good_after={EVERY}",
+            "monitor.loss_spike_sigma=4", *extra]
 
 
 def train(out: Path, cache: Path, *extra: str) -> Path:
@@ -115,7 +119,7 @@ def test_nan_gradient_is_skipped(tmp_path, cache, clean):
 
 def test_router_bias_pushed_to_one_expert_is_rolled_back(tmp_path, cache, clean):
     run = train(tmp_path / "run", cache, "monitor.inject_fault=router_bias@18", "monitor.on_maxvio=rollback",
-                "train.maxvio_window=5")
+                "monitor.maxvio_share=0.9", "train.maxvio_window=3")
     detected = [e for e in events(run, "rollback") if e["detector"] == "maxvio"]
     assert detected and detected[0]["key"] == "maxvio/1" and detected[0]["step"] <= 21
     rolled = events(run, "rolled_back")

@@ -234,7 +234,7 @@ def plot_branch(report: dict, path: Path) -> None:
         top.plot(x, [row["lm_loss"] for row in rows], label=label, linewidth=1)
     top.set_ylabel("train loss (next-token CE)")
     top.set_title(f"branches from {Path(report['checkpoint']).name}")
-    top.legend()
+    top.legend(fontsize="small")
     for label, gap in report["gaps"].items():
         rows = report["arms"][label]
         x = [(row["step"] - report["start_step"]) * tokens_per_step for row in rows]
@@ -244,7 +244,7 @@ def plot_branch(report: dict, path: Path) -> None:
     bottom.axhline(0, color="black", linewidth=0.5)
     bottom.set_ylabel(f"relative gap to {report['reference']} (%)")
     bottom.set_xlabel("tokens since the checkpoint")
-    bottom.legend()
+    bottom.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -79,7 +79,7 @@ class MainGradLinear(nn.Module):
         quantized = isinstance(linear, QuantLinear)
         self.recipe = linear.recipe if quantized else None
         self.stats = linear.stats if quantized else None
-        self._generators = linear._generators if quantized else None  # continue the wrapped layer's SR stream
+        self.sr_generators = linear.sr_generators if quantized else None  # continue the wrapped layer's SR stream
         self.accum_dtype = dtype
         self.register_buffer("main_grad", torch.zeros_like(linear.weight, dtype=ACCUM_DTYPES[dtype]),
                              persistent=False)
@@ -91,7 +91,7 @@ class MainGradLinear(nn.Module):
         self.applications += 1
         if self.recipe is None:
             return F.linear(x, weight, self.bias)
-        return emulated_linear(x, weight, self.bias, self.recipe, self._generators, self.stats)
+        return emulated_linear(x, weight, self.bias, self.recipe, self.sr_generators, self.stats)
 
     def accumulate(self, wgrad: Tensor, application: int) -> None:
         if self.recorder is not None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridtron.numerics import mxfp8, nvfp4
@@ -141,10 +140,18 @@ def _quantize_weight(weight: Tensor, recipe: QuantRecipe, reduction_dim: int) ->
 
 
 def _quantize_wgrad_operand(t: Tensor, recipe: QuantRecipe, generator=None, stochastic=False) -> Tensor:
-    """[tokens, features] -> quantized along tokens (after the RHT, on tokens padded to 16 when it is on)."""
-    if recipe.rht:
-        t = random_hadamard_transform(F.pad(t, (0, 0, 0, (-t.shape[0]) % RHT_SIZE)), dim=0)
-    return _quantize_1d(t, recipe, 0, generator, stochastic)
+    """[tokens, features] -> quantized along tokens (after the RHT, on tokens zero-padded to a multiple of 16,
+    when it is on). Returns [tokens (padded), features]."""
+    if not recipe.rht:
+        return _quantize_1d(t, recipe, 0, generator, stochastic)
+    tokens, features = t.shape
+    # One transposing copy gives the [features, tokens] layout that both the RHT and 1x16 blocks along tokens
+    # read contiguously.
+    t_T = t.new_empty((features, tokens + (-tokens) % RHT_SIZE), dtype=torch.float32)
+    t_T[:, :tokens].copy_(t.t())
+    t_T[:, tokens:].zero_()
+    rotated = random_hadamard_transform(t_T, dim=1)
+    return _quantize_1d(rotated, recipe, 1, generator, stochastic).t()
 
 
 class _EmulatedLinear(torch.autograd.Function):
@@ -180,8 +187,11 @@ class _EmulatedLinear(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-class _GeneratorSource:
-    """One SR generator per (module, device), seeded with ``recipe.seed + seed_offset``; made on first use."""
+class GeneratorSource:
+    """One SR generator per (module, device), seeded with ``recipe.seed + seed_offset``; made on first use.
+
+    Its state is part of a training checkpoint (`sr_generator_states`), so a resumed run draws the same
+    stochastic-rounding noise as an uninterrupted one."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -192,6 +202,15 @@ class _GeneratorSource:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(self.seed)
         return self._generator
+
+    def get_state(self) -> Tensor | None:
+        return None if self._generator is None else self._generator.get_state()
+
+    def set_state(self, state: Tensor | None) -> None:
+        if state is None:
+            self._generator = None
+        else:
+            self(torch.device("cpu")).set_state(state)
 
 
 def emulated_linear(
@@ -209,7 +228,7 @@ def emulated_linear(
     """
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"emulated_linear: input has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
-    source = generator_source if generator_source is not None else _GeneratorSource(recipe.seed)
+    source = generator_source if generator_source is not None else GeneratorSource(recipe.seed)
     y = _EmulatedLinear.apply(x.reshape(-1, x.shape[-1]), weight, recipe, source, stats)
     if bias is not None:
         y = y + bias.to(y.dtype)
@@ -234,7 +253,7 @@ class QuantLinear(nn.Module):
         self.recipe = recipe
         self.seed_offset = seed_offset
         self.stats = UnderflowStats()
-        self._generators = _GeneratorSource(recipe.seed + seed_offset)
+        self.sr_generators = GeneratorSource(recipe.seed + seed_offset)
 
     @property
     def in_features(self) -> int:
@@ -251,7 +270,7 @@ class QuantLinear(nn.Module):
         return cls(linear.weight, linear.bias, recipe, seed_offset)
 
     def forward(self, x: Tensor) -> Tensor:
-        return emulated_linear(x, self.weight, self.bias, self.recipe, self._generators, self.stats)
+        return emulated_linear(x, self.weight, self.bias, self.recipe, self.sr_generators, self.stats)
 
     def extra_repr(self) -> str:
         r = self.recipe
@@ -275,7 +294,7 @@ class QuantizedGroupedMM:
             raise ValueError(f"quantized_grouped_mm recipe must be a QuantRecipe, got {type(recipe).__name__}")
         self.recipe = recipe
         self.stats = UnderflowStats()
-        self._generators = _GeneratorSource(recipe.seed + seed_offset)
+        self.sr_generators = GeneratorSource(recipe.seed + seed_offset)
 
     def __call__(self, x_SK: Tensor, w_EOK: Tensor, group_sizes: Tensor) -> Tensor:
         if x_SK.ndim != 2 or w_EOK.ndim != 3 or x_SK.shape[1] != w_EOK.shape[2]:
@@ -285,14 +304,15 @@ class QuantizedGroupedMM:
         sizes = [int(n) for n in group_sizes.tolist()]
         if len(sizes) != w_EOK.shape[0] or sum(sizes) != x_SK.shape[0] or min(sizes, default=0) < 0:
             raise ValueError(
-                f"grouped_mm group_sizes {sizes} must be {w_EOK.shape[0]} non-negative counts summing to {x_SK.shape[0]}"
+                f"grouped_mm group_sizes {sizes} must be {w_EOK.shape[0]} non-negative counts "
+                f"summing to {x_SK.shape[0]}"
             )
         outputs, start = [], 0
         for expert, rows in enumerate(sizes):
             if rows:
                 x_e = x_SK[start : start + rows]
                 outputs.append(
-                    emulated_linear(x_e, w_EOK[expert], None, self.recipe, self._generators, self.stats)
+                    emulated_linear(x_e, w_EOK[expert], None, self.recipe, self.sr_generators, self.stats)
                 )
             start += rows
         if not outputs:  # S == 0: an empty [0, O] result that still hangs on the autograd graph
@@ -306,6 +326,25 @@ class QuantizedGroupedMM:
 def quantized_grouped_mm(recipe: QuantRecipe, seed_offset: int = 0) -> QuantizedGroupedMM:
     """A grouped-matmul callable for ``RoutedExperts.grouped_mm`` that emulates ``recipe``."""
     return QuantizedGroupedMM(recipe, seed_offset)
+
+
+def sr_generator_states(model: nn.Module) -> dict[str, Tensor | None]:
+    """The stochastic-rounding generator state of every quantized GEMM under `model`, keyed by module name."""
+    states = {}
+    for name, sub in model.named_modules():
+        for key, candidate in ((name, sub), (f"{name}.grouped_mm", getattr(sub, "grouped_mm", None))):
+            source = getattr(candidate, "sr_generators", None)
+            if isinstance(source, GeneratorSource):
+                states[key] = source.get_state()
+    return states
+
+
+def load_sr_generator_states(model: nn.Module, states: dict[str, Tensor | None]) -> None:
+    for name, sub in model.named_modules():
+        for key, candidate in ((name, sub), (f"{name}.grouped_mm", getattr(sub, "grouped_mm", None))):
+            source = getattr(candidate, "sr_generators", None)
+            if isinstance(source, GeneratorSource) and key in states:
+                source.set_state(states[key])
 
 
 def set_underflow_tracking(module: nn.Module, enabled: bool = True, reset: bool = True) -> list[UnderflowStats]:

@@ -29,14 +29,14 @@ import torch
 from torch import Tensor
 
 from hybridtron.numerics.nvfp4 import (
+    _SCRATCH,
     E4M3_MAX,
     _block_amax,
-    _SCRATCH,
     _check_finite,
     _chunk_rows,
+    _e4m3_round_,
     _from_block_matrix,
     _to_block_matrix,
-    _e4m3_round_,
     e4m3_from_bytes,
 )
 

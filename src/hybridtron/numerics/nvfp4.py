@@ -224,7 +224,9 @@ def _from_block_matrix(matrix: Tensor, shape: torch.Size, dim: int) -> Tensor:
 
 def _check_finite(amax: Tensor, what: str) -> None:
     if not bool(torch.isfinite(amax)):
-        raise ValueError(f"{what}: input contains NaN or Inf (max|x| = {amax.item()}); only finite values can be quantized")
+        raise ValueError(
+            f"{what}: input contains NaN or Inf (max|x| = {amax.item()}); only finite values can be quantized"
+        )
 
 
 def _tile_amax(block_amax: Tensor) -> Tensor:
@@ -445,7 +447,8 @@ def fake_quantize(
 
     def emit(r0: int, r1: int, values: Tensor) -> None:
         o = out[r0:r1]
-        torch.mul(values.view(r1 - r0, blocks, BLOCK_SIZE), scales.scale[r0:r1, :, None], out=o.view(r1 - r0, blocks, BLOCK_SIZE))
+        shape = (r1 - r0, blocks, BLOCK_SIZE)
+        torch.mul(values.view(shape), scales.scale[r0:r1, :, None], out=o.view(shape))  # exact: v * s_b
         o.mul_(scales.s_dec)
 
     _round_matrix(matrix, scales, uniform, emit)

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hybridtron.checkpoint.dcp import CheckpointManager
 from hybridtron.model.lm import HybridLM
+from hybridtron.numerics.linear import load_sr_generator_states, sr_generator_states
 from hybridtron.numerics.grad_accum import flush_main_grads
 from hybridtron.train.balance import update_router_biases
 from hybridtron.train.config import TrainConfig
@@ -38,13 +39,16 @@ class Trainer:
     def __init__(self, model: HybridLM, loader, config: TrainConfig, hooks: list, checkpoints: CheckpointManager):
         self.model, self.loader, self.config = model, loader, config
         self.optimizer = build_optimizer(model, config)
-        self.schedule = WSDSchedule(config.lr, config.steps, config.warmup_steps, config.decay_fraction,
-                                    config.min_lr_ratio)
+        self.schedule = self.new_schedule()
         self.hooks = Hooks(hooks)
         self.checkpoints = checkpoints
         self.step = 0
         self.moe_layer_ids = [i for i, layer in enumerate(model.backbone.layers) if layer.kind == "moe"]
         self.logger = None  # the MetricsLogger hook, if any, for lines outside the step (step-0 validation)
+
+    def new_schedule(self) -> WSDSchedule:
+        cfg = self.config
+        return WSDSchedule(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.decay_fraction, cfg.min_lr_ratio)
 
     def autocast(self):
         if self.config.precision == "bf16":
@@ -101,7 +105,8 @@ class Trainer:
             "schedule": self.schedule.state_dict(),
             "loader": self.loader.state_dict(),
             "hooks": self.hooks.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                    "stochastic_rounding": sr_generator_states(self.model)},
         }
 
     def save_checkpoint(self, blocking: bool = False):
@@ -120,3 +125,4 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
+        load_sr_generator_states(self.model, state["rng"]["stochastic_rounding"])

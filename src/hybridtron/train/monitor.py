@@ -64,9 +64,10 @@ budget cut), which a rollback keeps and a resume restores.
 
 Fault injection, for tests and drills only (off by default): `monitor.inject_fault = "KIND@STEP[,KIND@STEP...]"`
 with KIND one of lr_spike (the LR x inject_lr_factor for that step's update), corrupt_batch (that step's batches
-replaced by uniformly random tokens), nan_grad (a NaN in one element of the final norm's weight gradient),
-router_bias (after that step, the first MoE layer's bias of expert 0 raised by inject_router_bias, so that expert
-takes every token). Each fault fires once per run, even if a rollback re-runs its step.
+replaced by random tokens whose labels are all one never-seen token: a huge-loss batch), nan_grad (a NaN in one
+element of the final norm's weight gradient), router_bias (after that step, the first MoE layer's bias of expert 0
+raised by inject_router_bias, so that expert takes every token). Each fault fires once per run, even if a rollback
+re-runs its step.
 """
 
 from __future__ import annotations
@@ -844,7 +845,9 @@ class Recovery(Hook):
 
 # ============================================================================================= fault injection
 class _CorruptingLoader:
-    """Wraps the training loader: the batches of a `corrupt_batch` step become uniformly random tokens."""
+    """Wraps the training loader: the batches of a `corrupt_batch` step become garbage with a huge loss: random
+    input tokens, every label the last vocabulary id (one no data ever had as a target, so the model's probability
+    for it keeps falling). Random labels alone cost only about log(vocab), within the noise of a small batch."""
 
     def __init__(self, loader, injector: "FaultInjector"):
         self.loader, self.injector = loader, injector
@@ -855,7 +858,7 @@ class _CorruptingLoader:
             generator = torch.Generator().manual_seed(1234)
             vocab = self.injector.trainer.model.config.vocab_size
             input_ids = torch.randint(0, vocab, input_ids.shape, generator=generator)
-            labels = torch.randint(0, vocab, labels.shape, generator=generator)
+            labels = torch.full_like(labels, vocab - 1)
         return input_ids, labels
 
     def __iter__(self):

@@ -97,6 +97,9 @@ def run(args) -> int:
     if latest is not None:
         checkpoints.remove_incomplete()
         trainer.load_checkpoint(latest)
+        if args.steps is not None and args.steps != trainer.schedule.total_steps:
+            # an explicit --steps on resume replans the schedule to the new total (e.g. to extend a run)
+            trainer.schedule = trainer.new_schedule()
         print(f"resumed from {latest} (step {trainer.step})", file=sys.stderr)
     trainer.train()
 
