@@ -2,11 +2,12 @@
 within a few steps, its response runs, the run finishes with a validation loss within MARGIN of a clean run's, and
 no checkpoint or metrics line is lost.
 
-The runs are small: the tiny preset with a 512-token vocabulary, 4 x 64 tokens per step, 30 steps, checkpoints
+The runs are small: the tiny preset with a 512-token vocabulary, 4 x 64 tokens per step, 32 steps, checkpoints
 every 8 steps, detectors judging from step 8. Batches that small make a noisy loss (the rolling standard deviation
 is about 0.65 nats at a loss of 4.9), so loss spikes count from 4 sigma here; over clean runs the largest step was
-1.5 sigma above its window. MaxVio is counted over 3 steps and judged at 0.9 of its bound: the tiny model's own
-early imbalance reaches about 0.8 of it (3.1 of 4)."""
+1.5 sigma above its window. The router-bias test counts MaxVio over 3 steps, judges it at 0.9 of its bound and
+balances 10x faster (u = 0.01), from step 12: the tiny model's own imbalance in its last MoE layer reaches 3.9 of 4
+over 3-step windows in the first 10 steps, before the router biases have moved, and stays under 2.9 after."""
 
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ from hybridtron.train import pretrain
 from hybridtron.train.config import RunConfig
 from hybridtron.train.loop import build_optimizer
 
-STEPS, EVERY = 30, 8
-# A faulted run ends within 3% of the clean run's validation loss (clean runs from two seeds differ by 0.03%; a
-# rollback costs the steps it abandons and replaces their data, which is what the margin is for).
+# Each run takes about 35 s on two busy cores (the clean run once for the module): slow as a file.
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY = 32, 8
+# A faulted run ends within 3% of the clean run's validation loss. Measured: +1.1% (lr_spike, a rollback that
+# re-trains 14 steps on other data), +0.5% (corrupt_batch), -0.1% (nan_grad), +1.2% (router_bias); two clean runs
+# from different seeds differ by 0.03%.
 MARGIN = 0.03
 
 
@@ -79,8 +84,8 @@ def check_nothing_lost(run: Path, rollbacks: list[dict]) -> None:
     config = RunConfig.load(run / "run_config.json")
     manager = CheckpointManager(run / "checkpoints")
     listed = manager.list()
-    assert [step_of(p) for p in listed][-3:] == [16, 24, 30]
-    assert [step_of(p) for p in listed if (p / GOOD).exists()][-1] == 16  # 24 + good_after > 30
+    assert [step_of(p) for p in listed][-3:] == [16, 24, 32]
+    assert [step_of(p) for p in listed if (p / GOOD).exists()][-1] == 24  # 32 is the last step: not yet GOOD
     for path in listed:
         model = HybridLM(config.model)
         model_state, optimizer_state = get_state_dict(model, build_optimizer(model, config.train))
@@ -100,9 +105,9 @@ def test_lr_times_1000_is_caught_by_skips_that_escalate_to_a_rollback(tmp_path, 
 
 
 def test_corrupted_batch_is_skipped_at_its_own_step(tmp_path, cache, clean):
-    run = train(tmp_path / "run", cache, "monitor.inject_fault=corrupt_batch@19")
+    run = train(tmp_path / "run", cache, "monitor.inject_fault=corrupt_batch@26")
     skips = events(run, "skip")
-    assert [(e["step"], e["detector"]) for e in skips] == [(19, "loss_spike")]
+    assert [(e["step"], e["detector"]) for e in skips] == [(26, "loss_spike")]
     assert not events(run, "rolled_back")
     check_nothing_lost(run, [])
     assert final_val(run) == pytest.approx(final_val(clean), rel=MARGIN)
@@ -119,7 +124,8 @@ def test_nan_gradient_is_skipped(tmp_path, cache, clean):
 
 def test_router_bias_pushed_to_one_expert_is_rolled_back(tmp_path, cache, clean):
     run = train(tmp_path / "run", cache, "monitor.inject_fault=router_bias@18", "monitor.on_maxvio=rollback",
-                "monitor.maxvio_share=0.9", "train.maxvio_window=3")
+                "monitor.maxvio_share=0.9", "train.maxvio_window=3", "train.router_bias_rate=0.01",
+                "monitor.min_history=12")
     detected = [e for e in events(run, "rollback") if e["detector"] == "maxvio"]
     assert detected and detected[0]["key"] == "maxvio/1" and detected[0]["step"] <= 21
     rolled = events(run, "rolled_back")
