@@ -15,16 +15,17 @@ Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Thre
    the section measures what drafting costs and gains when drafts are good; the acceptance lengths are printed
    beside the speedups. The bench model has 16 backbone layers for the MTP block's 2, a ratio closer to real
    models (Nano: 52 layers, Ultra: 108) than the 8 of `tiny`. Plain and speculative greedy outputs must be
-   identical. Plain and speculative runs alternate within each repetition; the speedup is the median of the
-   per-repetition ratios.
+   identical. Sampling at temperature 1 is measured too (its speculative output differs from plain sampling's
+   draw by draw, not in distribution).
 3. `context`: per-token decode time after a prompt of 1K and 16K tokens, for the `tiny` hybrid (3 Mamba layers,
    1 attention) and an all-attention model of the same width and depth (every Mamba layer replaced by attention).
    The hybrid's time should stay nearly flat; attention reads a KV cache that grows with the context.
 4. `drift` (only when asked): KL of a lower-precision SSM state to the fp32 state over a long teacher-forced
    decode of the trained bench model (`hybridtron.infer.cache.state_quant_drift`).
 
-Each measurement is repeated; tables report medians. The machine is shared: ratios of back-to-back timings are
-more trustworthy than absolute numbers.
+Each measurement is repeated, the variants of a section back to back in each repetition, and the tables report the
+fastest repetition: on a shared machine other processes only ever add time, so the minimum is the estimate least
+disturbed by them.
 
     python bench/decode.py                                   # sections hf, speculative, context
     python bench/decode.py --sections speculative drift --threads 2
@@ -33,7 +34,6 @@ more trustworthy than absolute numbers.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -96,7 +96,7 @@ def bench_against_transformers(name: str, config: ModelConfig, tokens: int, repe
     for _ in range(repeats):  # back to back, so a slow moment of the machine hits both
         ours_s.append((timed(lambda: run_ours(tokens + 1)) - timed(lambda: run_ours(1))) / tokens)
         theirs_s.append((timed(lambda: run_theirs(tokens + 1)) - timed(lambda: run_theirs(1))) / tokens)
-    ours_t, theirs_t = statistics.median(ours_s), statistics.median(theirs_s)
+    ours_t, theirs_t = min(ours_s), min(theirs_s)
     return dict(name=name, ours_ms=ours_t * 1e3, theirs_ms=theirs_t * 1e3, speedup=theirs_t / ours_t)
 
 
@@ -213,10 +213,9 @@ def bench_speculative(args, log) -> tuple[str, HybridLM]:
                     plain_tokens = tokens
                 elif mode == "greedy" and tokens != plain_tokens:
                     raise RuntimeError(f"draft length {k}: speculative greedy output differs from plain decoding")
-    # speedup: the median over repetitions of (plain time / speculative time) within one repetition
-    speedup = {(mode, k): statistics.median(p / s for p, s in zip(seconds[mode, None], seconds[mode, k]))
-               for mode in modes for k in variants}
-    rate = {key: args.tokens / statistics.median(value) for key, value in seconds.items()}
+    best_seconds = {key: min(value) for key, value in seconds.items()}
+    speedup = {(mode, k): best_seconds[mode, None] / best_seconds[mode, k] for mode in modes for k in variants}
+    rate = {key: args.tokens / value for key, value in best_seconds.items()}
     lines = [record + f" Batch 1, {args.tokens} tokens, {args.repeats} repetitions; greedy speculative output "
              f"identical to plain.", "",
              "| decoding | " + " | ".join(f"{m} tok/s | {m} speedup | {m} acceptance" for m in modes) + " |",
@@ -248,7 +247,7 @@ def per_token_ms(model: HybridLM, context: int, steps: int, repeats: int, chunk:
     decoder.step()
     decoder.step()  # warm up the one-token path
     samples = [timed(lambda: [decoder.step() for _ in range(steps)]) / steps for _ in range(repeats)]
-    return statistics.median(samples) * 1e3
+    return min(samples) * 1e3
 
 
 def bench_context(args, log) -> str:
@@ -292,8 +291,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sections", nargs="+", default=["hf", "speculative", "context"],
                         choices=["hf", "speculative", "context", "drift"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=256, help="tokens decoded per speculative measurement")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128, help="tokens decoded per speculative measurement")
     parser.add_argument("--hf-tokens", type=int, default=64, help="tokens decoded per transformers comparison")
     parser.add_argument("--train-steps", type=int, default=120)
     parser.add_argument("--boost-steps", type=int, default=60)

@@ -28,12 +28,12 @@ except ModuleNotFoundError:  # Python 3.10
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    steps: int = 600  # optimizer steps
+    steps: int = 400  # optimizer steps
     grad_accum: int = 1  # micro-batches per optimizer step (gradients summed in fp32)
-    lr: float = 3e-3  # peak learning rate
+    lr: float = 2e-3  # peak learning rate
     min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
     warmup_steps: int = 40  # linear warmup
-    decay_fraction: float = 0.25  # warmup-stable-decay: the last share of steps decays linearly
+    decay_fraction: float = 0.3  # warmup-stable-decay: the last share of steps decays linearly
     weight_decay: float = 0.1  # AdamW, on matrices only (not norms, biases, embeddings' rows? yes: all 2D+)
     beta1: float = 0.9
     beta2: float = 0.95
