@@ -17,7 +17,7 @@ Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Thre
    models (Nano: 52 layers, Ultra: 108) than the 8 of `tiny`. Plain and speculative greedy outputs must be
    identical. Sampling at temperature 1 is measured too (its speculative output differs from plain sampling's
    draw by draw, not in distribution).
-3. `context`: per-token decode time after a prompt of 1K and 16K tokens, for the `tiny` hybrid (3 Mamba layers,
+3. `context`: per-token decode time after a prompt of 1K and 16K tokens (`--contexts`), for the `tiny` hybrid (3 Mamba layers,
    1 attention) and an all-attention model of the same width and depth (every Mamba layer replaced by attention).
    The hybrid's time should stay nearly flat; attention reads a KV cache that grows with the context.
 4. `drift` (only when asked): KL of a lower-precision SSM state to the fp32 state over a long teacher-forced
@@ -25,10 +25,13 @@ Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Thre
 
 Each measurement is repeated, the variants of a section back to back in each repetition, and the tables report the
 fastest repetition: on a shared machine other processes only ever add time, so the minimum is the estimate least
-disturbed by them.
+disturbed by them. On a busy machine even that is not enough: `--clock cpu --threads 1` times this process's own
+CPU time instead of the elapsed time (BENCHMARKS.md's numbers of 2026-11-29 were taken that way, on a 2-core
+machine running other jobs at a load of 6-10).
 
-    python bench/decode.py                                   # sections hf, speculative, context
-    python bench/decode.py --sections speculative drift --threads 2
+    python bench/decode.py                                   # sections hf, speculative, context; 2 threads, wall
+    python bench/decode.py --clock cpu --threads 1 --trained /tmp/bench-model   # keep the trained model for reruns
+    python bench/decode.py --sections drift --trained /tmp/bench-model
 """
 
 from __future__ import annotations
@@ -51,10 +54,14 @@ from hybridtron.post.mtp_boost import BoostConfig, boost_mtp
 
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
 def timed(fn) -> float:
-    start = time.perf_counter()
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -251,8 +258,8 @@ def per_token_ms(model: HybridLM, context: int, steps: int, repeats: int, chunk:
 
 
 def bench_context(args, log) -> str:
-    longest = max(args.contexts)
-    hybrid = tiny(max_position_embeddings=longest + 64)
+    steps = 16
+    hybrid = tiny(max_position_embeddings=max(args.contexts) + steps * args.repeats + 2)
     rows = []
     for name, config in (("hybrid `ME*EM-ME` (3 Mamba, 1 attention)", hybrid),
                          ("all-attention `*E*E*-*E` (4 attention)", all_attention(hybrid))):
@@ -261,7 +268,7 @@ def bench_context(args, log) -> str:
         times = []
         for context in args.contexts:
             log(f"  {name}: context {context}")
-            times.append(per_token_ms(model, context, steps=16, repeats=args.repeats, chunk=512))
+            times.append(per_token_ms(model, context, steps=steps, repeats=args.repeats, chunk=512))
         rows.append((name, times))
     header = " | ".join(f"ms/token at {c:,}" for c in args.contexts)
     lines = [f"Decode time per token after a prompt of each length (batch 1, fp32, KV cache preallocated; width "
@@ -291,6 +298,9 @@ def main(argv=None) -> None:
     parser.add_argument("--sections", nargs="+", default=["hf", "speculative", "context"],
                         choices=["hf", "speculative", "context", "drift"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time; cpu: this process's CPU time, which other processes on a busy "
+                             "machine do not inflate (use it with --threads 1: idle OpenMP workers spin on a CPU)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128, help="tokens decoded per speculative measurement")
     parser.add_argument("--hf-tokens", type=int, default=64, help="tokens decoded per transformers comparison")
@@ -302,8 +312,10 @@ def main(argv=None) -> None:
                         help="directory to keep the trained bench model in (reused by later runs when it is there)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    global clock
+    clock = CLOCKS[args.clock]
     log = lambda line: print(line, flush=True)  # noqa: E731
-    out = [f"torch {torch.__version__}, torch.set_num_threads({args.threads})"]
+    out = [f"torch {torch.__version__}, torch.set_num_threads({args.threads}), {args.clock} clock"]
     if "hf" in args.sections:
         log("hybridtron vs transformers ...")
         rows = [bench_against_transformers(name, config, args.hf_tokens, args.repeats)
@@ -312,11 +324,12 @@ def main(argv=None) -> None:
         worst = min(r["speedup"] for r in rows)
         out.append(f"goal >= 3x: {'met' if worst >= 3 else 'MISSED'} (lowest {worst:.2f}x)")
     trained = None
-    if "speculative" in args.sections or "drift" in args.sections:
+    if "speculative" in args.sections:
         log("speculative decoding ...")
         table, trained = bench_speculative(args, log)
-        if "speculative" in args.sections:
-            out.append(table)
+        out.append(table)
+    elif "drift" in args.sections:
+        trained, _ = trained_bench_model(args, log)
     if "context" in args.sections:
         log("decode time against context ...")
         out.append(bench_context(args, log))

@@ -4,7 +4,6 @@ on a small model with a synthetic loader."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import math

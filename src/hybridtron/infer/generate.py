@@ -320,7 +320,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams, **
 
 # -------------------------------------------------------------------------------------------------- command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint directory (config.json, safetensors, tokenizer.json)")
+    parser.add_argument("--model", required=True,
+                        help="checkpoint directory (config.json, safetensors, tokenizer.json)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")

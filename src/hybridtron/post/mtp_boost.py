@@ -255,8 +255,10 @@ def boost_mtp(model, prompts: Sequence[Sequence[int]], eval_prompts: Sequence[Se
 # ------------------------------------------------------------------------------------------------ command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = BoostConfig()
-    parser.add_argument("--model", required=True, help="checkpoint directory (config.json, safetensors, tokenizer.json)")
-    parser.add_argument("--out", default=None, help="where to write the boosted checkpoint (default: MODEL-mtp-boosted)")
+    parser.add_argument("--model", required=True,
+                        help="checkpoint directory (config.json, safetensors, tokenizer.json)")
+    parser.add_argument("--out", default=None,
+                        help="where to write the boosted checkpoint (default: MODEL-mtp-boosted)")
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)

@@ -30,7 +30,7 @@ except ModuleNotFoundError:  # Python 3.10
 class TrainConfig:
     steps: int = 400  # optimizer steps
     grad_accum: int = 1  # micro-batches per optimizer step (gradients summed in fp32)
-    lr: float = 2e-3  # peak learning rate
+    lr: float = 3e-3  # peak learning rate
     min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
     warmup_steps: int = 40  # linear warmup
     decay_fraction: float = 0.3  # warmup-stable-decay: the last share of steps decays linearly

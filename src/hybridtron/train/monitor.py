@@ -312,16 +312,17 @@ class UpdateRatio(Hook):
 
 
 def quantized_modules(model: torch.nn.Module) -> dict[str, object]:
-    """Every emulated quantized GEMM of the model that keeps underflow stats: name -> QuantLinear or the
-    RoutedExperts' quantized grouped matmul (named `<experts>.grouped_mm`)."""
-    from hybridtron.numerics.linear import QuantizedGroupedMM, QuantLinear, UnderflowStats
+    """Every emulated 4- or 8-bit GEMM of the model (the precision policy's NVFP4 and MXFP8 modules; its BF16
+    ones flush next to nothing): name -> QuantLinear or the RoutedExperts' quantized grouped matmul (named
+    `<experts>.grouped_mm`)."""
+    from hybridtron.numerics.linear import QuantizedGroupedMM, QuantLinear
 
     found = {}
     for name, module in model.named_modules():
-        if isinstance(module, QuantLinear) and isinstance(module.stats, UnderflowStats):
+        if isinstance(module, QuantLinear) and module.recipe.format != "bf16":
             found[name] = module
         grouped = getattr(module, "grouped_mm", None)
-        if isinstance(grouped, QuantizedGroupedMM):
+        if isinstance(grouped, QuantizedGroupedMM) and grouped.recipe.format != "bf16":
             found[f"{name}.grouped_mm"] = grouped
     return found
 

@@ -7,7 +7,7 @@ hybridtron.train.monitor) and draws, as PNGs embedded in the page (matplotlib, A
     gradient norms   global, the output layer (lm_head) and every layer's weight-gradient L2 norm (log scale)
     MaxVio heatmap   MoE layer x step, colour scale from 1 (balanced) to the bound E/K
     residual RMS     per layer over time (log scale)
-    NVFP4 underflow  share of values flushed to zero per quantized module over time (or a note: not quantized)
+    NVFP4 underflow  heatmap, quantized module x step: share of values flushed to zero (or a note: not quantized)
     balance/updates  router bias spread per MoE layer, update-to-weight ratio, learning rate
     events           every detection and action on a step axis
 
@@ -308,19 +308,25 @@ def plot_residual(data: RunData) -> str:
 
 
 def plot_underflow(data: RunData) -> str:
-    plt, figure, axes = _figure(3.4)
+    """A heatmap, quantized module x sampled step: a real model has hundreds of quantized GEMMs."""
+    import numpy as np
     keys = data.keys("underflow/")
-    for index, key in enumerate(keys):
-        steps, values = data.steps(key)
-        axes.plot(steps, [100 * v for v in values], ".-", linewidth=0.8, markersize=3,
-                  label=key.split("/", 1)[1], color=plt.cm.tab20(index % 20))
-    if not keys:
+    plt, figure, axes = _figure(1.4 + 0.16 * max(len(keys), 6))
+    rows = [r for r in data.metrics if any(k in r for k in keys)]
+    if not rows:
         precision = data.config.get("train", {}).get("precision", "unknown")
         _note(axes, f"not an NVFP4 run (train.precision = {precision}): no quantized module to report")
-    else:
-        axes.set_xlabel("step")
-        axes.set_ylabel("% of non-zero values flushed to 0")
-        axes.legend(loc="upper left", fontsize=6, ncol=3)
+        return _png(plt, figure)
+    grid = 100 * np.array([[float(r.get(k, float("nan"))) for r in rows] for k in keys])
+    image = axes.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0)
+    axes.set_yticks(range(len(keys)))
+    axes.set_yticklabels([k.split("/", 1)[1].replace("backbone.", "") for k in keys], fontsize=6)
+    steps = [r["step"] for r in rows]
+    ticks = sorted(set(np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)))
+    axes.set_xticks(ticks)
+    axes.set_xticklabels([steps[i] for i in ticks])
+    axes.set_xlabel("step (sampled)")
+    figure.colorbar(image, ax=axes).set_label("% of non-zero values flushed to 0")
     return _png(plt, figure)
 
 
