@@ -255,6 +255,11 @@ def test_monitor_config_rejects_mistakes_by_name():
                                                                      5: ["router_bias"]}
 
 
+def test_a_disabled_monitor_adds_no_hook(tmp_path, small_config):
+    run = build_run_config(overrides=["monitor.enabled=false"])
+    assert monitor_hooks(run.monitor, tmp_path, small_config()) == ([], [])
+
+
 def test_monitor_section_in_run_config(tmp_path):
     run = build_run_config(overrides=["monitor.on_mtp_leads=rollback", "monitor.loss_spike_sigma=4"])
     assert run.monitor.on_mtp_leads == "rollback" and run.monitor.loss_spike_sigma == 4.0
