@@ -1,12 +1,16 @@
-"""Cost of the stability monitor: training step time with and without its hooks, at the default intervals.
+"""Cost of the stability monitor at its default intervals, as a share of the training step.
 
-One model, one synthetic loader, blocks of `--block` steps alternating between the variants (the order flips each
-round, so a slow spell of a shared machine hits both): `off` (ExpertLoad and the metrics logger only), `on` (plus
-every monitor hook at the default MonitorConfig: per-layer weight-gradient norms and router bias spread every
-step, residual RMS and update ratio every 10th step, the detectors, Recovery's GOOD marks) and `every-step` (the
-sampled signals on every step: the worst case). Each block's first step (optimizer state allocation, the
-step-0 checkpoint) is dropped; the mean of the rest includes the sampled steps in their real proportion. Two clocks: wall time, and this process's CPU time (user + system, all
-threads), which a busy shared machine disturbs far less; the overhead is reported on both.
+Two measurements on one model and one synthetic loader:
+
+1. In-step share (the number to trust on a shared machine): every monitor hook's `after_backward` and
+   `on_step_end` is timed inside the steps it runs in, together with the residual-RMS forward hooks, and divided
+   by those steps' own time. Load swings hit numerator and denominator alike.
+2. A/B: blocks of `--block` steps alternating between `off` (ExpertLoad and the metrics logger only) and `on`
+   (plus every monitor hook, default MonitorConfig), the order flipping each round. The difference of two step
+   times is only as good as the machine is quiet: the spread of the blocks is printed beside it.
+
+`every-step` repeats both with the sampled signals (residual RMS, update ratio) on every step: the worst case.
+Each block's first step (optimizer state allocation, the step-0 checkpoint) is dropped.
 
     python bench/monitor_overhead.py                          # tiny preset, batch 8 x 256 (the quickstart's)
     python bench/monitor_overhead.py --rounds 5 --threads 2
@@ -29,7 +33,7 @@ from hybridtron.model.lm import HybridLM
 from hybridtron.train import hooks as H
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.loop import Trainer
-from hybridtron.train.monitor import MonitorConfig, monitor_hooks
+from hybridtron.train.monitor import MonitorConfig, ResidualRMS, monitor_hooks
 
 
 class RandomLoader:
@@ -50,18 +54,40 @@ class RandomLoader:
 
 
 class StepTimer(H.Hook):
-    """Wall and CPU seconds between consecutive step ends."""
+    """Wall seconds of each step (between consecutive step ends) and of the monitor's work inside it."""
 
     def __init__(self):
-        self.times: list[tuple[float, float]] = []
+        self.steps: list[float] = []
+        self.monitor: list[float] = []
+        self.spent = 0.0
 
     def on_train_start(self, trainer):
-        self.last = (time.perf_counter(), time.process_time())
+        self.last = time.perf_counter()
 
     def on_step_end(self, trainer, metrics):
-        now = (time.perf_counter(), time.process_time())
-        self.times.append((now[0] - self.last[0], now[1] - self.last[1]))
-        self.last = now
+        now = time.perf_counter()
+        self.steps.append(now - self.last)
+        self.monitor.append(self.spent)
+        self.last, self.spent = now, 0.0
+
+    def timed(self, function):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - started
+        return wrapper
+
+
+def instrument(hooks: list[H.Hook], timer: StepTimer) -> None:
+    """Time every monitor hook's per-step calls and the residual-RMS forward hooks (registered at train start)."""
+    for hook in hooks:
+        hook.after_backward = timer.timed(hook.after_backward)
+        hook.on_step_end = timer.timed(hook.on_step_end)
+        if isinstance(hook, ResidualRMS):
+            record = hook._record
+            hook._record = lambda index, record=record: timer.timed(record(index))
 
 
 VARIANTS = {
@@ -71,16 +97,16 @@ VARIANTS = {
 }
 
 
-def run_block(model, loader, train: TrainConfig, monitor: MonitorConfig | None, directory: Path
-              ) -> list[tuple[float, float]]:
+def run_block(model, loader, train: TrainConfig, monitor: MonitorConfig | None, directory: Path) -> StepTimer:
     timer = StepTimer()
-    logger = H.MetricsLogger(directory)
     watch, recovery = monitor_hooks(monitor, directory, model.config, stream=io.StringIO()) if monitor else ([], [])
-    hooks = [H.ExpertLoad(train.maxvio_window), *watch, logger, timer, *recovery]
+    instrument(watch + recovery, timer)
+    hooks = [H.ExpertLoad(train.maxvio_window), *watch, H.MetricsLogger(directory), *recovery, timer]
     trainer = Trainer(model, loader, train, hooks, CheckpointManager(directory / "checkpoints", keep=1))
     trainer.train()
     trainer.checkpoints.close()
-    return timer.times[1:]
+    timer.steps, timer.monitor = timer.steps[1:], timer.monitor[1:]
+    return timer
 
 
 def main() -> None:
@@ -88,7 +114,7 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--block", type=int, default=20, help="steps per block (2 sampling periods by default)")
+    parser.add_argument("--block", type=int, default=21, help="steps per block (2 sampling periods + 1 dropped)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -98,22 +124,25 @@ def main() -> None:
     model = HybridLM(preset(args.preset))
     loader = RandomLoader(model.config.vocab_size, args.batch_size, args.seq_len)
     train = TrainConfig(steps=args.block, warmup_steps=5)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in VARIANTS}
+    timers: dict[str, list[StepTimer]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as scratch:
         for round_index in range(args.rounds):
             order = list(VARIANTS) if round_index % 2 == 0 else list(reversed(VARIANTS))
             for name in order:
                 directory = Path(scratch) / f"{name}-{round_index}"
-                times[name] += run_block(model, loader, train, VARIANTS[name], directory)
+                timers[name].append(run_block(model, loader, train, VARIANTS[name], directory))
 
     print(f"{args.preset}, batch {args.batch_size} x {args.seq_len}, {args.threads} threads, "
           f"{args.rounds} rounds x {args.block - 1} timed steps per variant")
-    print(f"{'variant':<12}{'wall ms':>10}{'overhead':>10}{'CPU ms':>10}{'overhead':>10}")
-    base_wall, base_cpu = (statistics.mean(t[i] for t in times["off"]) for i in (0, 1))
-    for name, values in times.items():
-        wall, cpu = (statistics.mean(t[i] for t in values) for i in (0, 1))
-        print(f"{name:<12}{1000 * wall:>10.1f}{100 * (wall / base_wall - 1):>9.1f}%"
-              f"{1000 * cpu:>10.1f}{100 * (cpu / base_cpu - 1):>9.1f}%")
+    print(f"{'variant':<12}{'step ms':>9}{'block means ms':>26}{'monitor ms/step':>17}{'in-step share':>15}")
+    for name, runs in timers.items():
+        steps = [t for run in runs for t in run.steps]
+        spent = [t for run in runs for t in run.monitor]
+        blocks = ", ".join(f"{1000 * statistics.mean(run.steps):.0f}" for run in runs)
+        print(f"{name:<12}{1000 * statistics.mean(steps):>9.0f}{blocks:>26}{1000 * statistics.mean(spent):>17.1f}"
+              f"{100 * sum(spent) / sum(steps):>14.2f}%")
+    off, on = (statistics.mean(t for run in timers[n] for t in run.steps) for n in ("off", "on"))
+    print(f"A/B: on vs off {100 * (on / off - 1):+.1f}% (noise: see the spread of the block means)")
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@ within a few steps, its response runs, the run finishes with a validation loss w
 no checkpoint or metrics line is lost.
 
 The runs are small: the tiny preset with a 512-token vocabulary, 4 x 64 tokens per step, 32 steps, checkpoints
-every 8 steps, detectors judging from step 8. Batches that small make a noisy loss (the rolling standard deviation
-is about 0.65 nats at a loss of 4.9), so loss spikes count from 4 sigma here; over clean runs the largest step was
-1.5 sigma above its window. The router-bias test counts MaxVio over 3 steps, judges it at 0.9 of its bound and
-balances 10x faster (u = 0.01), from step 12: the tiny model's own imbalance in its last MoE layer reaches 3.9 of 4
-over 3-step windows in the first 10 steps, before the router biases have moved, and stays under 2.9 after."""
+every 8 steps, detectors judging from step 8; about 4 s a run on two idle cores (the clean one once per module).
+Batches that small make a noisy loss (the rolling standard deviation is about 0.65 nats at a loss of 4.9), so loss
+spikes count from 4 sigma here; over clean runs the largest step was 1.5 sigma above its window. The router-bias
+test counts MaxVio over 3 steps, judges it at 0.9 of its bound and balances 10x faster (u = 0.01), from step 12:
+the tiny model's own imbalance in its last MoE layer reaches 3.9 of 4 over 3-step windows in the first 10 steps,
+before the router biases have moved, and stays under 2.9 after."""
 
 from __future__ import annotations
 
@@ -23,9 +24,6 @@ from hybridtron.model.lm import HybridLM
 from hybridtron.train import pretrain
 from hybridtron.train.config import RunConfig
 from hybridtron.train.loop import build_optimizer
-
-# Each run takes about 35 s on two busy cores (the clean run once for the module): slow as a file.
-pytestmark = pytest.mark.slow
 
 STEPS, EVERY = 32, 8
 # A faulted run ends within 3% of the clean run's validation loss. Measured: +1.1% (lr_spike, a rollback that
