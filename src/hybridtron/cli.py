@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from hybridtron.errors import RunStopped
+
 COMMANDS = {
     "pretrain": ("hybridtron.train.pretrain", "train a hybrid model from scratch on a bucketed data mixture"),
     "precision": ("hybridtron.numerics.policy", "show which module runs in which number format, and FLOP shares"),
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:  # a user's mistake: one clear line, no traceback
         print(f"hybridtron {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:  # the run ended itself on purpose; what it wrote is intact
+        print(f"hybridtron {args.command}: stopped: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from hybridtron.cli import main as cli_main
-from hybridtron.numerics.branch import Arm, gap_summary, parse_arm, relative_gap, resolve_checkpoint
+from hybridtron.numerics.branch import (Arm, block_standard_error, gap_summary, parse_arm, relative_gap,
+                                       resolve_checkpoint)
 from hybridtron.train.config import TrainConfig
 
 # A small, quick run (as tests/train/test_pretrain.py): a few stdlib families, short rows, tiny batches.
@@ -37,6 +39,14 @@ def test_gap_is_the_mean_relative_difference():
     summary = gap_summary(gaps)
     assert summary["mean"] == pytest.approx(-0.0225)
     assert summary["first_half"] == pytest.approx(0.005) and summary["second_half"] == pytest.approx(-0.05)
+    assert summary["standard_error"] == pytest.approx(0.0275), "two blocks of two steps: |0.005 - -0.05| / 2"
+
+
+def test_gap_standard_error_comes_from_block_means():
+    # six blocks of 10 steps, block means 0..5 (x 1e-3): SE = stdev(0..5) / sqrt(6)
+    gaps = [b * 1e-3 + (0.01 if i % 2 else -0.01) for b in range(6) for i in range(10)]
+    assert block_standard_error(gaps) == pytest.approx(1.8708287e-3 / 6 ** 0.5)
+    assert math.isnan(block_standard_error([0.1, 0.2, 0.3]))
 
 
 def test_checkpoint_errors_name_the_path(tmp_path):

@@ -91,6 +91,20 @@ def test_bf16_main_grad_is_lossy_and_flushes_to_fp32(small_config):
     assert head.main_grad.abs().max() == 0
 
 
+def test_the_accumulation_dtype_changes_only_when_the_buffer_is_empty(small_config):
+    model = HybridLM(small_config())
+    head = apply_output_grad_accumulation(model, "bf16")
+    input_ids, labels = micro_batches(1, 2, 16, 128)[0]
+    model(input_ids, labels).loss.backward()
+    with pytest.raises(RuntimeError, match="unflushed"):
+        head.set_accum_dtype("fp32")
+    flush_main_grads(model)
+    head.set_accum_dtype("fp32")
+    assert head.accum_dtype == "fp32" and head.main_grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="grad_accum_dtype must be one of"):
+        head.set_accum_dtype("fp8")
+
+
 @pytest.mark.parametrize("recipe", [None, "nvfp4"])
 def test_wrapper_keeps_state_dict_names_and_parameters(small_config, recipe):
     model = HybridLM(small_config())

@@ -288,6 +288,10 @@ def test_nan_gradient_is_skipped_and_the_weights_stay(tmp_path, small_config):
     events = lines(tmp_path / "events.jsonl")
     assert [e["action"] for e in events if e["detector"] == "nonfinite"] == ["skip"]
     assert "[monitor] step 9: nonfinite -> skip" in stderr_of(trainer)
+    # the NaN was put in the final norm's gradient; clipping did not spread it, so the origin is named
+    assert math.isfinite(records[9]["wgrad_norm/layer.0"]) and math.isfinite(records[9]["wgrad_norm/lm_head"])
+    finding = next(e for e in events if e["detector"] == "nonfinite")
+    assert "wgrad_norm/norm_f" in finding["message"] and "wgrad_norm/layer" not in finding["message"]
 
 
 def test_rollback_restores_the_good_checkpoint_skips_the_window_and_keeps_every_line(tmp_path, small_config):

@@ -187,3 +187,15 @@ def test_resume_continues_bit_for_bit_including_stochastic_rounding(tmp_path, mo
     for step in range(1, 7):
         for key in DETERMINISTIC:
             assert split[step][key] == whole[step][key], f"step {step} {key}"
+
+
+def test_a_run_the_monitor_gives_up_on_stops_with_a_message_not_a_traceback(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HYBRIDTRON_CACHE", str(tmp_path / "cache"))
+    faults = ["--set", "monitor.on_nonfinite=rollback", "--set", "monitor.max_rollbacks=1",
+              "--set", "monitor.inject_fault=nan_grad@2,nan_grad@3"]
+    code = cli_main(["pretrain", "--out", str(tmp_path / "run"), "--steps", "4", *FAST, *faults])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "hybridtron pretrain: stopped: step 3: still unstable after 1 rollbacks" in err
+    assert "Traceback" not in err
+    assert (tmp_path / "run" / "checkpoints" / "step_000000").is_dir(), "the GOOD initialization is kept"

@@ -23,7 +23,9 @@ Arms (``--arm``, repeatable; default ``as-trained``), against the reference ``bf
 
 The output layer's gradient accumulation follows the run's ``train.grad_accum_dtype`` in every arm. Stochastic
 rounding streams restart from ``train.seed`` in each arm (they are not part of a checkpoint), so the arms differ
-only in their number formats. Writes ``branch.json`` (per-step losses and the gaps) and ``branch.png``.
+only in their number formats. Each gap comes with a standard error from the means of 6 blocks of consecutive
+steps: two arms' gaps differ meaningfully only when the difference is several of those. Writes ``branch.json``
+(per-step losses and the gaps) and ``branch.png``.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hybridtron.numerics.policy import POLICIES, RECIPES, apply_precision
 from hybridtron.train.hooks import Hook
 
 REFERENCE = "bf16"
+GAP_BLOCKS = 6  # blocks of consecutive steps behind a gap's standard error
 AS_TRAINED = "as-trained"
 # --arm flag -> (the Arm / QuantRecipe field it turns off, the TrainConfig field of a run)
 _SWITCHES = {"no-sr": ("stochastic_rounding", "nvfp4_stochastic_rounding"), "no-rht": ("rht", "nvfp4_rht"),
@@ -150,11 +154,26 @@ def relative_gap(losses: list[float], reference: list[float]) -> list[float]:
     return [(q - r) / r for q, r in zip(losses, reference)]
 
 
+def block_standard_error(gaps: list[float], blocks: int = GAP_BLOCKS) -> float:
+    """Standard error of the window's mean gap from the means of `blocks` consecutive blocks of steps.
+
+    Consecutive steps' gaps are correlated (a branch that drifted ahead stays ahead for a while), so the spread of
+    single steps would understate the uncertainty; block means are close to independent. NaN under 2 blocks.
+    """
+    if len(gaps) < 2 * blocks:
+        blocks = len(gaps) // 2
+    if blocks < 2:
+        return float("nan")
+    means = [float(np.mean(block)) for block in np.array_split(np.asarray(gaps, dtype=np.float64), blocks)]
+    return float(np.std(means, ddof=1) / math.sqrt(blocks))
+
+
 def gap_summary(gaps: list[float]) -> dict:
-    """Mean over the window (the report's number), and over its first and second halves."""
+    """Mean over the window (the report's number) with its standard error, and the first and second halves."""
     half = len(gaps) // 2
     mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
-    return {"mean": mean(gaps), "first_half": mean(gaps[:half]), "second_half": mean(gaps[half:])}
+    return {"mean": mean(gaps), "standard_error": block_standard_error(gaps), "first_half": mean(gaps[:half]),
+            "second_half": mean(gaps[half:])}
 
 
 def branch(checkpoint: str | Path, tokens: int, arms: list[str] = (AS_TRAINED,), out: str | Path | None = None,
@@ -229,18 +248,20 @@ def plot_branch(report: dict, path: Path) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     tokens_per_step = report["tokens_per_step"]
+    colors = {}  # one color per arm in both panels
     for label, rows in report["arms"].items():
         x = [(row["step"] - report["start_step"]) * tokens_per_step for row in rows]
-        top.plot(x, [row["lm_loss"] for row in rows], label=label, linewidth=1)
+        line, = top.plot(x, [row["lm_loss"] for row in rows], label=label, linewidth=1)
+        colors[label] = line.get_color()
     top.set_ylabel("train loss (next-token CE)")
     top.set_title(f"branches from {Path(report['checkpoint']).name}")
     top.legend(fontsize="small")
     for label, gap in report["gaps"].items():
         rows = report["arms"][label]
         x = [(row["step"] - report["start_step"]) * tokens_per_step for row in rows]
-        line, = bottom.plot(x, [100 * g for g in gap["per_step"]], linewidth=1,
-                            label=f"{label}: mean {100 * gap['mean']:.2f}%")
-        bottom.axhline(100 * gap["mean"], color=line.get_color(), linestyle="--", linewidth=1)
+        bottom.plot(x, [100 * g for g in gap["per_step"]], linewidth=1, color=colors[label],
+                    label=f"{label}: mean {100 * gap['mean']:.2f}% ± {100 * gap['standard_error']:.2f}%")
+        bottom.axhline(100 * gap["mean"], color=colors[label], linestyle="--", linewidth=1)
     bottom.axhline(0, color="black", linewidth=0.5)
     bottom.set_ylabel(f"relative gap to {report['reference']} (%)")
     bottom.set_xlabel("tokens since the checkpoint")
@@ -253,10 +274,11 @@ def plot_branch(report: dict, path: Path) -> None:
 def format_report(report: dict) -> str:
     lines = [f"{report['steps']} steps ({report['tokens']:,} tokens) from step {report['start_step']}; "
              f"relative train-loss gap to {report['reference']} (mean over the window):", "",
-             "| arm | gap (mean) | first half | second half | gap of total loss (with MTP) |",
-             "|---|---|---|---|---|"]
+             "| arm | gap (mean) | standard error | first half | second half | gap of total loss (with MTP) |",
+             "|---|---|---|---|---|---|"]
     for label, gap in report["gaps"].items():
-        lines.append(f"| {label} | {100 * gap['mean']:.3f}% | {100 * gap['first_half']:.3f}% | "
+        lines.append(f"| {label} | {100 * gap['mean']:.3f}% | {100 * gap['standard_error']:.3f}% | "
+                     f"{100 * gap['first_half']:.3f}% | "
                      f"{100 * gap['second_half']:.3f}% | {100 * gap['total_loss_mean']:.3f}% |")
     lines += ["", f"plot and numbers: {report['out']}/branch.png, branch.json"]
     return "\n".join(lines)

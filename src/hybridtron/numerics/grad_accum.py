@@ -98,6 +98,16 @@ class MainGradLinear(nn.Module):
             self.recorder.append((application, wgrad.detach().float().clone()))
         accumulate_(self.main_grad, wgrad)
 
+    def set_accum_dtype(self, dtype: str) -> None:
+        """Accumulate in `dtype` from now on (the monitor's rollback can switch bf16 -> fp32). Only between
+        optimizer steps, when the buffer has been flushed and holds nothing."""
+        if dtype not in ACCUM_DTYPES:
+            raise ValueError(f"grad_accum_dtype must be one of {', '.join(ACCUM_DTYPES)}, got {dtype!r}")
+        if self.main_grad.any():
+            raise RuntimeError("set_accum_dtype: main_grad holds an unflushed gradient")
+        self.main_grad = torch.zeros_like(self.main_grad, dtype=ACCUM_DTYPES[dtype])
+        self.accum_dtype = dtype
+
     @torch.no_grad()
     def flush(self) -> None:
         """main_grad -> weight.grad (in the weight's dtype), then zero the buffer for the next step."""

@@ -86,12 +86,12 @@ class RunConfig:
         return {"model": self.model.to_hf(), "data": _plain(self.data), "train": _plain(self.train),
                 "monitor": _plain(self.monitor)}
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2))
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     @classmethod
-    def load(cls, path: Path) -> "RunConfig":
-        raw = json.loads(path.read_text())
+    def load(cls, path: str | Path) -> "RunConfig":
+        raw = json.loads(Path(path).read_text())
         return cls(model=ModelConfig.from_hf(raw["model"]), data=_build(DataConfig, raw["data"], "data"),
                    train=_build(TrainConfig, raw["train"], "train"),
                    monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"))

@@ -74,7 +74,7 @@ class Trainer:
                 counts = out.expert_counts if counts is None else counts + out.expert_counts
             flush_main_grads(model)  # an output layer accumulating in grad_accum_dtype hands its gradient over
             loss, lm_loss, *mtp = torch.tensor(losses).mean(0).tolist()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf")))
+            grad_norm = self.clip_gradients()
             metrics = {"step": self.step + 1, "loss": loss, "lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm,
                        **{f"mtp_loss_{d}": v for d, v in enumerate(mtp, start=1)}}
             if self.hooks.after_backward(self, metrics):
@@ -87,6 +87,16 @@ class Trainer:
             metrics["expert_counts"] = counts
             self.hooks.on_step_end(self, metrics)
         self.hooks.on_train_end(self)
+
+    def clip_gradients(self) -> float:
+        """Clip to `grad_clip` by the global norm; returns the norm before clipping. A non-finite norm leaves the
+        gradients untouched: scaling by NaN would smear one layer's NaN over every layer and hide where it began
+        (the monitor names the groups whose gradients are not finite)."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if self.config.grad_clip and torch.isfinite(norm):
+            torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
+        return float(norm)
 
     def log(self, metrics: dict) -> None:
         if self.logger is not None:

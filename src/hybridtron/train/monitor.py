@@ -89,6 +89,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybridtron.errors import RunStopped
 from hybridtron.checkpoint.dcp import GOOD, step_of
 from hybridtron.train.hooks import Hook, ProgressBar
 
@@ -183,7 +184,7 @@ def parse_faults(spec: str) -> dict[int, list[str]]:
     return faults
 
 
-class DivergenceError(RuntimeError):
+class DivergenceError(RunStopped):
     """The monitor asked for more rollbacks than `max_rollbacks`: the run cannot be trusted to recover."""
 
 
@@ -738,14 +739,13 @@ class StabilityMonitor(Hook):
 
 
 def set_output_accumulation(model: torch.nn.Module, dtype: str) -> None:
-    """Switch the output layer's Megatron-style main_grad (numerics.grad_accum.MainGradLinear) to `dtype`. Only
-    between optimizer steps, when the buffer is empty (flushed into weight.grad and zeroed)."""
-    from hybridtron.numerics.grad_accum import ACCUM_DTYPES, MainGradLinear
+    """Switch the output layer's Megatron-style main_grad (numerics.grad_accum.MainGradLinear) to `dtype`; between
+    optimizer steps, when the buffer is empty."""
+    from hybridtron.numerics.grad_accum import MainGradLinear
 
     for module in model.modules():
         if isinstance(module, MainGradLinear) and module.accum_dtype != dtype:
-            module.main_grad = torch.zeros_like(module.main_grad, dtype=ACCUM_DTYPES[dtype])
-            module.accum_dtype = dtype
+            module.set_accum_dtype(dtype)
 
 
 class Recovery(Hook):
