@@ -43,6 +43,24 @@ def test_chunked_prefill_matches_one_pass(model, chunk):
     assert generate(model, prompts, GREEDY, prefill_chunk=chunk) == generate(model, prompts, GREEDY)
 
 
+def test_decoding_layout_changes_only_how_weights_are_stored(model):
+    """A decoder stores the model's weight matrices transposed in memory (faster matrix-vector products on the
+    CPU): shapes, values and the forward are unchanged, and the model still trains."""
+    ids = torch.randint(3, model.config.vocab_size, (2, 9))
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    with torch.no_grad():
+        before = model(ids).logits
+    Decoder(model, [[3, 4]], GREEDY)
+    assert model.lm_head.weight.t().is_contiguous()
+    assert model.moe_layers()[0].experts.up_proj.transpose(1, 2).is_contiguous()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+    model(ids, torch.roll(ids, -1, dims=1)).loss.backward()
+    assert model.lm_head.weight.grad.shape == model.lm_head.weight.shape
+
+
 def test_sampling_is_seeded_and_filtered(model):
     prompts = random_prompts(model.config.vocab_size, [4, 8])
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=7)

@@ -11,8 +11,9 @@ import urllib.request
 
 import pytest
 
+from hybridtron.infer.generate import TextStream
 from hybridtron.infer.sampling import SamplingParams
-from hybridtron.infer.server import IncrementalDetokenizer, create_app, generate_text
+from hybridtron.infer.server import create_app, generate_text
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -116,9 +117,9 @@ def assert_served(client):
 
 
 # ------------------------------------------------------------------------------------------ generate_text
-def test_incremental_detokenizer_equals_full_decode():
+def test_text_stream_equals_full_decode():
     """Leading-space pieces (SentencePiece style) and multi-byte characters split over byte tokens both come out
-    as the full decode would, while each step decodes only a short window."""
+    as the full decode would, while each step decodes only a short window (the server's detokenisation)."""
     pieces = ["▁Hello", "▁world", "!", "▁é", "t", "é", "▁🙂", "s"]
 
     def sentencepiece_decode(ids):
@@ -127,11 +128,11 @@ def test_incremental_detokenizer_equals_full_decode():
     rng = random.Random(0)
     for _ in range(50):
         ids = [rng.randrange(len(pieces)) for _ in range(rng.randrange(1, 30))]
-        detokenizer = IncrementalDetokenizer(sentencepiece_decode)
+        stream, deltas = TextStream(sentencepiece_decode), []
         for n, token in enumerate(ids, 1):
-            detokenizer.add(token)
-            assert detokenizer.text == sentencepiece_decode(ids[:n])
-        assert detokenizer.finish() == sentencepiece_decode(ids)
+            deltas.append(stream.push(token)[0])
+            assert stream.text == sentencepiece_decode(ids[:n])
+        assert "".join(deltas) + stream.finish() == sentencepiece_decode(ids)
 
     engine, decoded_tokens = FakeEngine(), []
 
@@ -140,11 +141,11 @@ def test_incremental_detokenizer_equals_full_decode():
         return engine.decode(ids)
 
     ids = engine.encode(REPLY * 20)
-    detokenizer = IncrementalDetokenizer(counting_decode)
+    stream, deltas = TextStream(counting_decode), []
     for n, token in enumerate(ids, 1):
-        detokenizer.add(token)
-        assert "\ufffd" not in detokenizer.text and engine.decode(ids[:n]).startswith(detokenizer.text)
-    assert detokenizer.finish() == REPLY * 20
+        deltas.append(stream.push(token)[0])
+        assert "\ufffd" not in stream.text and engine.decode(ids[:n]).startswith(stream.text)
+    assert "".join(deltas) + stream.finish() == REPLY * 20
     assert sum(decoded_tokens) < 8 * len(ids)  # windows of a few tokens, not the whole list each step
 
 

@@ -20,7 +20,7 @@ import torch
 
 from hybridtron.infer.cache import MambaState
 from hybridtron.model.attention import Attention, attention_ref
-from hybridtron.model.mamba2 import Mamba2Mixer, mamba2_mixer_ref
+from hybridtron.model.mamba2 import CONV_TAPS_MAX_TOKENS, Mamba2Mixer, mamba2_mixer_ref
 from hybridtron.model.mlp import MLP, mlp_ref
 from hybridtron.model.moe import MoE, RoutedExperts, moe_ref, routed_experts_ref
 from hybridtron.model.norm import GatedGroupRMSNorm, RMSNorm
@@ -91,6 +91,18 @@ def test_rmsnorm_formula():
     torch.testing.assert_close(norm(x), expected, **FP32)
 
 
+def test_rmsnorm_normalises_a_lower_precision_input_in_fp32():
+    """An input in another dtype than the weight (bf16 activations, fp32 weight): normalised in fp32, rounded to
+    the input's dtype, then scaled by the weight."""
+    norm = RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 16).bfloat16()
+    x32 = x.float()
+    expected = norm.weight * (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    torch.testing.assert_close(norm(x), expected, **FP32)
+
+
 def test_gated_group_rmsnorm_gates_before_normalising_each_group():
     norm = GatedGroupRMSNorm(12, group_size=4, eps=1e-5)
     with torch.no_grad():
@@ -145,6 +157,7 @@ MAMBA_VARIANTS = {
                                  length=5),
     "biases_no_conv_bias": dict(overrides=dict(use_bias=True, use_conv_bias=False, chunk_size=8), length=19),
     "time_step_limit": dict(overrides=dict(time_step_limit=(0.02, 0.5), chunk_size=8), length=12),
+    "conv1d_beyond_the_taps": dict(overrides=dict(chunk_size=16), length=CONV_TAPS_MAX_TOKENS + 13),
 }
 
 
@@ -184,7 +197,7 @@ def random_state(mixer, batch):
             torch.randn(batch, mixer.num_heads, mixer.head_dim, mixer.state_size) * 0.5)
 
 
-@pytest.mark.parametrize("length", [1, 6, 19])  # one-token step, shorter than a chunk, several chunks
+@pytest.mark.parametrize("length", [1, 6, 19, 40])  # one-token step, shorter than a chunk, several chunks, conv1d
 def test_mamba_mixer_continues_from_initial_state(small_config, length):
     """With a MambaState the fast path (chunked scan, or the one-token step) continues from it and leaves the final
     conv and SSM state in it; the reference takes the same state explicitly. Outputs, states, and gradients agree."""
@@ -252,6 +265,25 @@ def test_routed_experts_match_loop(dtype, num_experts, top_k, width, intermediat
     weights = torch.rand(tokens, top_k)
     check_against_ref(experts, lambda m, x, w: m(x, expert_ids, w),
                       lambda m, x, w: routed_experts_ref(m, x, expert_ids, w), x, weights, dtype=dtype)
+
+
+@pytest.mark.parametrize("num_experts, top_k, tokens", [(8, 2, 1), (8, 2, 4), (16, 4, 3), (6, 6, 1)])
+def test_routed_experts_pair_loop_matches_loop(monkeypatch, num_experts, top_k, tokens):
+    """Inference with no more (token, expert) pairs than experts (decoding) takes the pair loop."""
+    experts = RoutedExperts(num_experts, 16, 24)
+    with torch.no_grad():
+        experts.up_proj.normal_(0, 0.25)
+        experts.down_proj.normal_(0, 0.2)
+    x = torch.randn(tokens, 16)
+    expert_ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k)
+    calls = []
+    pair_loop = RoutedExperts.forward_pairs
+    monkeypatch.setattr(RoutedExperts, "forward_pairs", lambda *args: calls.append(1) or pair_loop(*args))
+    with torch.no_grad():
+        out = experts(x, expert_ids, weights)
+    assert calls
+    torch.testing.assert_close(out, routed_experts_ref(experts, x, expert_ids, weights), **FP32)
 
 
 MOE_VARIANTS = {

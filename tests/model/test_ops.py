@@ -2,10 +2,11 @@
 
 - `ssd_chunked` (the Mamba-2 paper's chunked scan) vs `ssd_ref` (the naive per-token recurrence): outputs and
   final state, with and without an initial state, lengths that are and are not multiples of the chunk, in
-  float64 (agreement to rounding) and float32.
+  float64 (agreement to rounding) and float32. The decoding scans too: `ssd_step_` (one token, state in place)
+  and `ssd_steps` (a few tokens, every state kept).
 - `grouped_mm` (torch's native grouped GEMM where it applies) and `grouped_mm_padded` (padded batched GEMM) vs
   `grouped_mm_ref` (a loop over experts), including experts that receive no rows, all rows on one expert, and no
-  rows at all.
+  rows at all; and expert matrices stored transposed, as decoding lays them out.
 - `cross_entropy` (blockwise, no log-probability tensor) vs `F.cross_entropy`, loss and gradient.
 """
 
@@ -19,7 +20,7 @@ import torch
 from hybridtron.ops import cross_entropy as cross_entropy_module
 from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy, cross_entropy_ref
 from hybridtron.ops.grouped_mm import grouped_mm, grouped_mm_padded, grouped_mm_ref, native_applies
-from hybridtron.ops.ssd import ssd_chunked, ssd_ref
+from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step_, ssd_steps
 
 # float64 agreement is limited by rounding alone; float32 by accumulating a few hundred terms of size ~1.
 SSD_TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-4, atol=2e-5)}
@@ -95,6 +96,29 @@ def test_ssd_chunked_fp32_error_with_strong_decays():
     assert (final.double() - final_exact).abs().max() <= 1e-4 * final_exact.abs().max()
 
 
+@pytest.mark.parametrize("batch, heads, groups", [(2, 4, 2), (1, 6, 3), (3, 8, 1)])
+def test_ssd_step_advances_the_state_in_place_as_the_recurrence(batch, heads, groups):
+    x, a, B, C, initial = ssd_inputs(batch, 1, heads, 8, groups, 16, torch.float64, True)
+    y_ref, final_ref = ssd_ref(x, a, B, C, initial_state_BHPN=initial)
+    state = initial.clone()
+    y = ssd_step_(state, x[:, 0], a[:, 0], B[:, 0], C[:, 0])
+    torch.testing.assert_close(y, y_ref[:, 0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state, final_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("length, groups", [(1, 2), (4, 2), (8, 1)])
+def test_ssd_steps_keeps_the_state_after_every_token(dtype, length, groups):
+    """The few-token scan of speculative verification: outputs and each token's state equal the recurrence's."""
+    x, a, B, C, initial = ssd_inputs(2, length, 4, 8, groups, 16, dtype, True)
+    y, states = ssd_steps(x, a, B, C, initial)
+    y_ref, _ = ssd_ref(x, a, B, C, initial_state_BHPN=initial)
+    torch.testing.assert_close(y, y_ref, **SSD_TOLERANCE[dtype])
+    for t in range(length):
+        _, state_ref = ssd_ref(x[:, :t + 1], a[:, :t + 1], B[:, :t + 1], C[:, :t + 1], initial_state_BHPN=initial)
+        torch.testing.assert_close(states[:, t], state_ref, **SSD_TOLERANCE[dtype])
+
+
 GROUPED_MM_CASES = {
     "balanced": [5, 3, 7, 4],
     "experts_with_no_rows": [0, 6, 0, 0, 9, 0],
@@ -134,6 +158,22 @@ def test_grouped_mm_matches_loop(case, fast, dtype):
     # the plain-sum cotangent of the loss functions (stride 0 everywhere)
     if rows:
         fast(x, w, group_sizes).sum().backward()
+
+
+def test_grouped_mm_native_with_expert_matrices_stored_transposed():
+    """Decoding stores each expert's matrix [in, out] in memory (`lay_out_for_decoding`); the native grouped GEMM
+    still applies, forward and backward."""
+    group_sizes = torch.tensor([3, 0, 5])
+    x = torch.randn(8, 12, requires_grad=True)
+    w = torch.randn(3, 12, 16).transpose(1, 2).requires_grad_(True)  # shape [E, out, in], strides of [E, in, out]
+    assert not w.is_contiguous() and native_applies(x, w)
+    y = grouped_mm(x, w, group_sizes)
+    grads = torch.autograd.grad(y.sum(), [x, w])
+    y_ref = grouped_mm_ref(x, w, group_sizes)
+    grads_ref = torch.autograd.grad(y_ref.sum(), [x, w])
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    for grad, grad_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_mm_falls_back_where_the_native_kernel_does_not_apply():

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Protocol, Sequence
 
+from hybridtron.infer.generate import TextStream
 from hybridtron.infer.sampling import ParamError, SamplingParams
 
 log = logging.getLogger("hybridtron.serve")
@@ -75,92 +76,32 @@ class TextEvent:
     finish_reason: str | None = None
 
 
-def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
-    """Start of the earliest stop string in text; only matches that end after the emitted text can be new."""
-    starts = [i for s in stops if (i := text.find(s, max(0, emitted - len(s) + 1))) >= 0]
-    return min(starts) if starts else None
-
-
-def _safe_length(text: str, stops: tuple[str, ...]) -> int:
-    """How much of text can be sent now: all but a suffix that could be the beginning of a stop string."""
-    held = 0
-    for stop in stops:
-        for length in range(min(len(stop) - 1, len(text)), held, -1):
-            if text.endswith(stop[:length]):
-                held = length
-                break
-    return len(text) - held
-
-
-class IncrementalDetokenizer:
-    """The text of a growing list of tokens, decoding a short window per token instead of the whole list.
-
-    vLLM's prefix/read offsets: each step decodes the tokens since the last emission plus the ones before them
-    (so decoders that treat a sequence's first token specially, e.g. SentencePiece's leading space, see context)
-    and appends the difference. A window that ends inside a multi-byte character decodes to U+FFFD: it waits for
-    the next token. `finish()` flushes whatever is left, a partial character included.
-    """
-
-    def __init__(self, decode):
-        self.decode = decode
-        self.ids: list[int] = []
-        self.text = ""
-        self.prefix = self.read = 0  # window start; end of the tokens already in `text`
-
-    def add(self, token: int) -> None:
-        self.ids.append(token)
-        before = self.decode(self.ids[self.prefix:self.read])
-        after = self.decode(self.ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
-
-    def finish(self) -> str:
-        if self.read < len(self.ids):
-            before = self.decode(self.ids[self.prefix:self.read])
-            self.text += self.decode(self.ids[self.prefix:])[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
-        return self.text
-
-
 def generate_text(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> Iterator[TextEvent]:
     """Run the engine's token stream and turn it into text deltas, applying max_tokens, the context budget, stop
-    token ids and stop strings (neither of which appears in the text). One event per token received (its text is
-    empty while held back), then a last one with the rest of the text and the finish_reason: "length" when
-    max_tokens or the context ran out, "stop" otherwise."""
+    token ids and stop strings (neither of which appears in the text; `TextStream` does the detokenisation). One
+    event per token received (its text is empty while held back), then a last one with the rest of the text and
+    the finish_reason: "length" when max_tokens or the context ran out, "stop" otherwise."""
     budget = min(params.max_tokens, engine.max_context - len(prompt_ids))
-    detokenizer = IncrementalDetokenizer(engine.decode)
+    text = TextStream(engine.decode, prompt_ids, params.stop, params.stop_token_ids)
     count = 0  # tokens received, a stop token included (that is what the engine computed)
-    text, emitted, finish, cut = "", 0, "length", None
+    finish, last = "length", ""
     if budget > 0:
         stream = engine.stream(list(prompt_ids), params)
         try:
+            finish = "stop"  # a stop token or string, or the engine ended the sequence itself; unless the budget ends
             for token in stream:
                 count += 1
-                if token in params.stop_token_ids:
-                    finish = "stop"
-                    break
-                detokenizer.add(token)
-                text = detokenizer.text
-                cut = _find_stop(text, params.stop, emitted)
-                if cut is not None:
-                    text, finish = text[:max(cut, emitted)], "stop"
-                    break
-                if count >= budget:
+                delta, stopped = text.push(token)
+                if stopped or count >= budget:
+                    finish, last = ("stop" if stopped else "length"), delta
                     break
                 # One event per token, empty while text is held back, so a consumer can stop between any two.
-                safe = max(_safe_length(text, params.stop), emitted)
-                yield TextEvent(text[emitted:safe], count)
-                emitted = safe
-            else:
-                finish = "stop"  # the engine ended the sequence itself
+                yield TextEvent(delta, count)
         finally:
             close = getattr(stream, "close", None)
             if close is not None:
                 close()
-    if cut is None:  # not cut at a stop string: the text ends with whatever the detokenizer still holds
-        text = detokenizer.finish()
-    yield TextEvent(text[emitted:], count, finish)
+    yield TextEvent(last + text.finish(), count, finish)
 
 
 # ------------------------------------------------------------------------------------------ request parsing

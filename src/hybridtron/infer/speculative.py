@@ -179,7 +179,7 @@ class SpeculativeDecoder(Decoder):
         self.pending_next = torch.cat([drafts_BK, torch.zeros_like(drafts_BK[:, :1])], dim=1)
         return n_accepted, next_token
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[list[int]]:
         if self.done:
             return [[] for _ in self.sequences]

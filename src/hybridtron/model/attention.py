@@ -47,16 +47,24 @@ def write_and_read(kv: KVCache, k_BHTD, v_BHTD, lengths: torch.Tensor):
     """Write new keys/values at each sequence's length; return all cached keys/values and the causal mask."""
     batch, _, new, _ = k_BHTD.shape
     max_len = kv.k_BHTD.shape[2]
-    positions_BT = lengths[:, None] + torch.arange(new, device=lengths.device)
-    if int(positions_BT.max()) >= max_len:
-        raise ValueError(f"the KV cache holds {max_len} positions; this forward needs {int(positions_BT.max()) + 1}")
-    rows = torch.arange(batch, device=lengths.device)[:, None]
-    kv.k_BHTD[rows, :, positions_BT] = k_BHTD.transpose(1, 2).to(kv.k_BHTD.dtype)
-    kv.v_BHTD[rows, :, positions_BT] = v_BHTD.transpose(1, 2).to(kv.v_BHTD.dtype)
-    visible = int(positions_BT.max()) + 1
-    mask_BTS = torch.arange(visible, device=lengths.device)[None, None, :] <= positions_BT[:, :, None]
-    return (kv.k_BHTD[:, :, :visible].to(k_BHTD.dtype), kv.v_BHTD[:, :, :visible].to(v_BHTD.dtype),
-            mask_BTS[:, None])
+    starts = lengths.tolist()
+    visible = max(starts) + new
+    if visible > max_len:
+        raise ValueError(f"the KV cache holds {max_len} positions; this forward needs {visible}")
+    if min(starts) == max(starts):  # every row at the same position (batch 1 always): one slice per tensor
+        start = starts[0]
+        kv.k_BHTD[:, :, start:visible] = k_BHTD
+        kv.v_BHTD[:, :, start:visible] = v_BHTD
+        # a single new token sees every cached position: no mask
+        mask = None if new == 1 else \
+            torch.arange(visible, device=lengths.device) <= torch.arange(start, visible, device=lengths.device)[:, None]
+    else:
+        positions_BT = lengths[:, None] + torch.arange(new, device=lengths.device)
+        rows = torch.arange(batch, device=lengths.device)[:, None]
+        kv.k_BHTD[rows, :, positions_BT] = k_BHTD.transpose(1, 2).to(kv.k_BHTD.dtype)
+        kv.v_BHTD[rows, :, positions_BT] = v_BHTD.transpose(1, 2).to(kv.v_BHTD.dtype)
+        mask = (torch.arange(visible, device=lengths.device)[None, None, :] <= positions_BT[:, :, None])[:, None]
+    return kv.k_BHTD[:, :, :visible].to(k_BHTD.dtype), kv.v_BHTD[:, :, :visible].to(v_BHTD.dtype), mask
 
 
 def attention_ref(attn: Attention, hidden_BTD: torch.Tensor) -> torch.Tensor:

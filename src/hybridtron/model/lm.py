@@ -111,17 +111,20 @@ class HybridLM(nn.Module):
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
                 mtp: bool = True) -> LMOutput:
+        """`cache`: decode into a `HybridCache` (no MTP logits, no expert counts)."""
         self._check_ids(input_ids)
         embeddings = self.backbone.embeddings(input_ids)
         hidden = embeddings
-        lengths = cache.lengths if cache is not None else None
-        for i, layer in enumerate(self.backbone.layers):
-            hidden = layer(hidden, cache.layers[i] if cache is not None else None, lengths)
+        if cache is None:
+            for layer in self.backbone.layers:
+                hidden = layer(hidden)
+        else:
+            for layer, layer_cache in zip(self.backbone.layers, cache.layers):
+                hidden = layer(hidden, layer_cache, cache.lengths)
+            cache.lengths += input_ids.shape[1]
         hidden = self.backbone.norm_f(hidden)
         logits = self.lm_head(hidden)
-        if cache is not None:
-            cache.lengths += input_ids.shape[1]
-        out = LMOutput(logits=logits, hidden=hidden, expert_counts=self.expert_counts())
+        out = LMOutput(logits=logits, hidden=hidden, expert_counts=self.expert_counts() if cache is None else None)
 
         if mtp and self.mtp is not None and cache is None:
             previous = hidden
@@ -146,9 +149,10 @@ class HybridLM(nn.Module):
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor [batch, time], got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        if input_ids.numel():
+            low, high = (int(v) for v in torch.aminmax(input_ids))
+            if low < 0 or high >= self.config.vocab_size:
+                raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got [{low}, {high}]")
 
     # ---------------------------------------------------------------------------------------- introspection
     def moe_layers(self) -> list[MoE]:

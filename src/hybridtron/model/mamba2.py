@@ -7,12 +7,15 @@
     S_t = exp(dt_t A) S_{t-1} + dt_t x_t (outer) B_t;  y_t = S_t C_t + D x_t
     out = out_proj(w * GroupRMS(y * SiLU(z)))
 
-Prefill and training use the chunked scan (`ops.ssd.ssd_chunked`); decoding uses the one-token recurrence.
-Both continue from a `MambaState` (last K-1 conv inputs, SSM state) when one is given, and leave theirs in it.
+Prefill and training use the chunked scan (`ops.ssd.ssd_chunked`); decoding uses the one-token recurrence
+(`ops.ssd.ssd_step_`), and speculative verification the few-token scan that keeps every state (`ops.ssd.ssd_steps`).
+All three continue from a `MambaState` (last K-1 conv inputs, SSM state) when one is given, and leave theirs in it.
 The scan runs in fp32 whatever the activation dtype.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +24,9 @@ from torch import nn
 from hybridtron.config import ModelConfig
 from hybridtron.infer.cache import MambaState
 from hybridtron.model.norm import GatedGroupRMSNorm
-from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step
+from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step_, ssd_steps
+
+CONV_TAPS_MAX_TOKENS = 16
 
 
 class Mamba2Mixer(nn.Module):
@@ -47,62 +52,86 @@ class Mamba2Mixer(nn.Module):
 
     # ---- pieces shared by the fast path and the reference
     def split_projection(self, zxbcdt: torch.Tensor):
-        return zxbcdt.split([self.inner_size, self.conv_channels, self.num_heads], dim=-1)
+        return zxbcdt.split_with_sizes([self.inner_size, self.conv_channels, self.num_heads], dim=-1)
 
     def discretize(self, dt_raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(dt [.., heads] fp32, A [heads] fp32)."""
         dt = F.softplus(dt_raw.float() + self.dt_bias.float())
-        dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
+        if self.time_step_limit != (0.0, math.inf):  # softplus is never below 0: the default limit clamps nothing
+            dt = dt.clamp(min=self.time_step_limit[0], max=self.time_step_limit[1])
         return dt, -torch.exp(self.A_log.float())
 
     def split_xbc(self, xBC: torch.Tensor):
         group_width = self.n_groups * self.state_size
-        x, B, C = xBC.split([self.inner_size, group_width, group_width], dim=-1)
+        x, B, C = xBC.split_with_sizes([self.inner_size, group_width, group_width], dim=-1)
         return (x.unflatten(-1, (self.num_heads, self.head_dim)),
                 B.unflatten(-1, (self.n_groups, self.state_size)),
                 C.unflatten(-1, (self.n_groups, self.state_size)))
 
     def finish(self, y_BTHP: torch.Tensor, x_BTHP: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        y = y_BTHP + self.D.float()[:, None] * x_BTHP.float()
+        y = torch.addcmul(y_BTHP, self.D.float()[:, None], x_BTHP.float())
         # the gated norm reads the fp32 scan output (as mamba_ssm and transformers do); only its result is cast down
         return self.out_proj(self.norm(y.flatten(-2), z).to(z.dtype))
+
+    @staticmethod
+    def initial_ssm(state: MambaState) -> torch.Tensor:
+        """The cache's own fp32 state (decoding advances it in place), or a copy where autograd may save it or the
+        cache stores another dtype."""
+        initial = state.ssm_BHPN.float()
+        return initial.clone() if torch.is_grad_enabled() else initial
+
+    def causal_conv(self, conv_input_BCT: torch.Tensor) -> torch.Tensor:
+        """The depthwise causal conv of [B, C, K-1+T] inputs (the K-1 before the new tokens first) -> [B, C, T].
+
+        A few tokens (decoding, speculative verification) take the K taps of each output as a product and a sum
+        over the unfolded inputs instead of F.conv1d, whose call costs about 40 us at any size on a CPU."""
+        kernel = self.conv1d.kernel_size[0]
+        weight_C1K, bias = self.conv1d.weight, self.conv1d.bias
+        if conv_input_BCT.shape[-1] - (kernel - 1) > CONV_TAPS_MAX_TOKENS:
+            return F.conv1d(conv_input_BCT, weight_C1K, bias, groups=self.conv_channels)
+        out = (conv_input_BCT.unfold(-1, kernel, 1) * weight_C1K).sum(-1)
+        return out if bias is None else out + bias[:, None]
 
     # ---- fast path
     def forward(self, hidden_BTD: torch.Tensor, state: MambaState | None = None) -> torch.Tensor:
         batch, length, _ = hidden_BTD.shape
+        if state is not None and length == 1 and not state.record_steps:
+            return self.step(hidden_BTD, state)
         z, xBC, dt_raw = self.split_projection(self.in_proj(hidden_BTD))
         kernel = self.conv1d.kernel_size[0]
         previous_BCK = state.conv_BCK.to(xBC.dtype) if state is not None else \
             xBC.new_zeros(batch, self.conv_channels, kernel - 1)
         conv_input_BCT = torch.cat([previous_BCK, xBC.transpose(1, 2)], dim=-1)
-        xBC = F.silu(F.conv1d(conv_input_BCT, self.conv1d.weight, self.conv1d.bias,
-                              groups=self.conv_channels)).transpose(1, 2)
-        x, B, C = self.split_xbc(xBC)
+        x, B, C = self.split_xbc(F.silu(self.causal_conv(conv_input_BCT)).transpose(1, 2))
         dt, A = self.discretize(dt_raw)
-        x_dt = x.float() * dt[..., None]
-        initial = state.ssm_BHPN.float() if state is not None else None
-        if initial is not None and torch.is_grad_enabled():
-            initial = initial.clone()  # the state is overwritten in place below, after autograd may have saved it
+        x_dt, a = x.float() * dt[..., None], dt * A
+        if state is None:
+            return self.finish(ssd_chunked(x_dt, a, B.float(), C.float(), self.chunk_size)[0], x, z)
 
-        if state is not None and state.record_steps:  # keep every intermediate state (speculative verification)
-            ssm, ssm_steps, ys = initial, [], []
-            for t in range(length):
-                y_t, ssm = ssd_step(ssm, x_dt[:, t], dt[:, t] * A, B[:, t].float(), C[:, t].float())
-                ys.append(y_t)
-                ssm_steps.append(ssm)
-            y, final = torch.stack(ys, 1), ssm
-            state.ssm_steps = torch.stack(ssm_steps, 1).to(state.ssm_BHPN.dtype)
+        ssm = self.initial_ssm(state)
+        if state.record_steps:  # keep every intermediate state (speculative verification)
+            y, ssm_steps = ssd_steps(x_dt, a, B.float(), C.float(), ssm)
+            ssm = ssm_steps[:, -1]
+            state.ssm_steps = ssm_steps.to(state.ssm_BHPN.dtype)
             state.conv_steps = conv_input_BCT.unfold(-1, kernel - 1, 1)[:, :, 1:].permute(0, 2, 1, 3).contiguous()
-        elif length == 1 and state is not None:
-            y, final = ssd_step(initial, x_dt[:, 0], dt[:, 0] * A, B[:, 0].float(), C[:, 0].float())
-            y = y[:, None]
         else:
-            y, final = ssd_chunked(x_dt, dt * A, B.float(), C.float(), self.chunk_size, initial)
-
-        if state is not None:
-            state.conv_BCK.copy_(conv_input_BCT[..., conv_input_BCT.shape[-1] - (kernel - 1):])
-            state.ssm_BHPN.copy_(final)
+            y, ssm = ssd_chunked(x_dt, a, B.float(), C.float(), self.chunk_size, ssm)
+        state.conv_BCK.copy_(conv_input_BCT[..., length:])
+        state.ssm_BHPN.copy_(ssm)
         return self.finish(y, x, z)
+
+    def step(self, hidden_B1D: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """One token from a MambaState (decoding): `forward` in [batch, features] shapes, with fewer calls, and the
+        state advanced in place."""
+        z, xBC, dt_raw = self.split_projection(self.in_proj(hidden_B1D[:, 0]))
+        window_BCK = torch.cat([state.conv_BCK.to(xBC.dtype), xBC[..., None]], dim=-1)
+        state.conv_BCK.copy_(window_BCK[..., 1:])
+        x, B, C = self.split_xbc(F.silu(self.causal_conv(window_BCK)[..., 0]))
+        dt, A = self.discretize(dt_raw)
+        ssm = self.initial_ssm(state)
+        y = ssd_step_(ssm, x.float() * dt[..., None], dt * A, B.float(), C.float())
+        state.ssm_BHPN.copy_(ssm)
+        return self.finish(y, x, z)[:, None]
 
 
 def mamba2_mixer_ref(mixer: Mamba2Mixer, hidden_BTD: torch.Tensor,

@@ -1,4 +1,4 @@
-"""RMSNorm and the gated group RMSNorm of the Mamba-2 mixer; both compute in fp32."""
+"""RMSNorm and the gated group RMSNorm of the Mamba-2 mixer: w * x / sqrt(mean(x^2) + eps), normalised in fp32."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        if x.dtype == self.weight.dtype:  # one call; it applies the weight before rounding to x's dtype
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -30,6 +30,5 @@ class GatedGroupRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         gated = y.float() * F.silu(z.float())
-        grouped = gated.unflatten(-1, (-1, self.group_size))
-        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(gated.unflatten(-1, (-1, self.group_size)), (self.group_size,), eps=self.eps)
         return self.weight * normed.flatten(-2).to(y.dtype)

@@ -29,7 +29,9 @@ def native_applies(x_SK: torch.Tensor, w_EOK: torch.Tensor) -> bool:
     if not hasattr(F, "grouped_mm") or x_SK.dtype not in NATIVE_DTYPES or w_EOK.dtype != x_SK.dtype:
         return False
     aligned = 16 // x_SK.element_size()
-    return x_SK.shape[0] > 0 and x_SK.is_contiguous() and w_EOK.is_contiguous() \
+    # each expert's matrix may be stored either way round ([O, K] or, laid out for decoding, [K, O])
+    return x_SK.shape[0] > 0 and x_SK.is_contiguous() \
+        and (w_EOK.is_contiguous() or w_EOK.transpose(1, 2).is_contiguous()) \
         and w_EOK.shape[1] % aligned == 0 and w_EOK.shape[2] % aligned == 0
 
 

@@ -21,7 +21,7 @@ Where it departs from the listing, for speed on CPUs (same math; tests compare i
   without copying B or C per head.
 
 Shapes (suffix legend): B batch, T time, H heads, P head dim, G groups, J heads per group, N state size,
-C chunks, L/S positions in a chunk.
+C chunks, L/S positions in a chunk, X batch x groups, R heads per group x head dim.
 """
 
 from __future__ import annotations
@@ -84,16 +84,53 @@ def ssd_chunked(
     return y_BTHP, state_BGJPN.reshape(batch, heads, head_dim, state_size)
 
 
-def ssd_step(
+def ssd_step_(
     state_BHPN: torch.Tensor, x_BHP: torch.Tensor, a_BH: torch.Tensor, B_BGN: torch.Tensor, C_BGN: torch.Tensor
+) -> torch.Tensor:
+    """One token of the recurrence, advancing `state` (contiguous) in place; returns y [B,H,P].
+
+    In place because the state is the largest tensor a decode step touches (bench22m: 128 KB per layer, more than
+    the layer's other activations together), and a new one per token costs as much memory traffic again. The heads
+    of a group share its B and C, so a group's [heads in group x head dim] rows take x (outer) B and S C as one
+    batched matrix product each, without copying B or C per head.
+    """
+    batch, heads, head_dim, state_size = state_BHPN.shape
+    groups = B_BGN.shape[1]
+    rows = heads // groups * head_dim
+    state_BHPN.mul_(torch.exp(a_BH)[..., None, None])
+    state_XRN = state_BHPN.view(batch * groups, rows, state_size)
+    state_XRN.baddbmm_(x_BHP.reshape(batch * groups, rows, 1), B_BGN.reshape(batch * groups, 1, state_size))
+    return torch.bmm(state_XRN, C_BGN.reshape(batch * groups, state_size, 1)).view(batch, heads, head_dim)
+
+
+def ssd_steps(
+    x_BTHP: torch.Tensor,
+    a_BTH: torch.Tensor,
+    B_BTGN: torch.Tensor,
+    C_BTGN: torch.Tensor,
+    initial_state_BHPN: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the recurrence: returns (y [B,H,P], new state [B,H,P,N])."""
-    heads, groups = x_BHP.shape[1], B_BGN.shape[1]
-    B_BHN = B_BGN.repeat_interleave(heads // groups, dim=1)
-    C_BHN = C_BGN.repeat_interleave(heads // groups, dim=1)
-    state_BHPN = state_BHPN * torch.exp(a_BH)[..., None, None] + x_BHP[..., None] * B_BHN[:, :, None, :]
-    y_BHP = torch.einsum("bhpn,bhn->bhp", state_BHPN, C_BHN)
-    return y_BHP, state_BHPN
+    """The recurrence over a few tokens, keeping the state after each: (y [B,T,H,P], states [B,T,H,P,N]).
+
+    For speculative verification, which restarts from any of these states. Every state is written out anyway, so
+    they are computed at once rather than token by token: S_t = exp(cumsum[t]) S_0 + sum_{s<=t} exp(cumsum[t] -
+    cumsum[s]) x_s (outer) B_s, a [T, T] decay matrix per head (the chunked scan's step 1, applied to states).
+    """
+    batch, length, heads, head_dim = x_BTHP.shape
+    groups, state_size = B_BTGN.shape[-2:]
+    per_group = heads // groups
+    x_BGJPT = x_BTHP.reshape(batch, length, groups, per_group, head_dim).permute(0, 2, 3, 4, 1)
+    a_cumsum_BGJT = a_BTH.reshape(batch, length, groups, per_group).permute(0, 2, 3, 1).cumsum(-1)
+    above_diagonal_TS = torch.full((length, length), float("-inf"), dtype=a_cumsum_BGJT.dtype,
+                                   device=a_cumsum_BGJT.device).triu(1)
+    decay_BGJTS = torch.exp((a_cumsum_BGJT[..., :, None] + above_diagonal_TS) - a_cumsum_BGJT[..., None, :])
+    B_BG11SN = B_BTGN.transpose(1, 2)[:, :, None, None]
+    from_inputs_BGJTPN = (decay_BGJTS[..., :, None, :] * x_BGJPT[..., None, :, :]) @ B_BG11SN
+    initial_BGJ1PN = initial_state_BHPN.reshape(batch, groups, per_group, 1, head_dim, state_size)
+    states_BGJTPN = torch.addcmul(from_inputs_BGJTPN, torch.exp(a_cumsum_BGJT)[..., None, None], initial_BGJ1PN)
+    y_BGJTP1 = states_BGJTPN @ C_BTGN.transpose(1, 2)[:, :, None, :, :, None]
+    return (y_BGJTP1.permute(0, 3, 1, 2, 4, 5).reshape(batch, length, heads, head_dim),
+            states_BGJTPN.permute(0, 3, 1, 2, 4, 5).reshape(batch, length, heads, head_dim, state_size))
 
 
 def ssd_ref(
@@ -104,12 +141,16 @@ def ssd_ref(
     chunk: int | None = None,
     initial_state_BHPN: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The naive per-token recurrence; same signature as `ssd_chunked` (`chunk` is unused)."""
+    """The naive per-token recurrence, B and C copied per head; same signature as `ssd_chunked` (`chunk` is
+    unused)."""
     batch, length, heads, head_dim = x_BTHP.shape
+    per_group = heads // B_BTGN.shape[-2]
     state = initial_state_BHPN if initial_state_BHPN is not None else \
         x_BTHP.new_zeros(batch, heads, head_dim, B_BTGN.shape[-1])
     ys = []
     for t in range(length):
-        y_t, state = ssd_step(state, x_BTHP[:, t], a_BTH[:, t], B_BTGN[:, t], C_BTGN[:, t])
-        ys.append(y_t)
+        B_BHN = B_BTGN[:, t].repeat_interleave(per_group, dim=1)
+        C_BHN = C_BTGN[:, t].repeat_interleave(per_group, dim=1)
+        state = state * torch.exp(a_BTH[:, t])[..., None, None] + x_BTHP[:, t, ..., None] * B_BHN[:, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C_BHN))
     return torch.stack(ys, dim=1), state
