@@ -13,6 +13,7 @@ the median and the minimum over repetitions.
 
     python bench/nvfp4.py                          # all sections
     python bench/nvfp4.py --section quantize --size 4096 --repeats 7 --threads 2
+    python bench/nvfp4.py --clock cpu --threads 1      # on a busy machine: this process's CPU time
 
 New sections (e.g. the bf16 / mxfp8 / nvfp4 training-step comparison) are functions ``(args) -> None``
 registered in ``SECTIONS``; their options go in ``add_arguments``.
@@ -30,10 +31,14 @@ import torch
 from hybridtron.numerics import nvfp4
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
 def _time(fn) -> float:
-    start = time.perf_counter()
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _check_against_reference(x: torch.Tensor) -> None:
@@ -172,6 +177,9 @@ SECTIONS = {"quantize": bench_quantize, "train_step": bench_train_step}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--section", choices=sorted(SECTIONS), action="append", help="run only these sections")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall: elapsed time (default); cpu: this process's CPU time, for a busy machine "
+                             "(with --threads 1; other jobs still slow it down through shared caches)")
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per case (default 7)")
     parser.add_argument("--size", type=int, default=4096, help="quantize: the tensor is size x size (default 4096)")
     parser.add_argument("--batch", type=int, default=8, help="train_step: sequences per step (default 8)")
@@ -189,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads < 1 or args.repeats < 1 or args.size < 16:
         parser.error("--threads and --repeats must be >= 1 and --size >= 16")
     torch.set_num_threads(args.threads)
+    global clock
+    clock = CLOCKS[args.clock]
+    print(f"torch {torch.__version__}, torch.set_num_threads({args.threads}), {args.clock} clock")
     for name in args.section or list(SECTIONS):
         print(f"## {name}: {SECTIONS[name].__doc__}")
         SECTIONS[name](args)

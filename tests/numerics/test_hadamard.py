@@ -7,9 +7,11 @@ import torch
 
 from hybridtron.numerics.hadamard import (
     TE_RHT_SIGNS,
+    hadamard_chunks_,
     random_hadamard_transform,
     rht_matrix,
     sylvester_hadamard,
+    te_rht_matrix,
 )
 
 
@@ -31,6 +33,15 @@ def test_transform_is_te_chunked_product():
     expected = (x.t().contiguous().view(-1, 16) @ rht_matrix()).view(24, 64).t()
     assert torch.allclose(random_hadamard_transform(x, dim=0), expected, rtol=0, atol=1e-6)
     assert torch.allclose(random_hadamard_transform(x.t(), dim=1), expected.t(), rtol=0, atol=1e-6)
+
+
+def test_cached_matrix_and_chunk_product_into_a_buffer():
+    assert te_rht_matrix() is te_rht_matrix("cpu")  # built once per device
+    assert torch.equal(te_rht_matrix(), rht_matrix())
+    x = torch.randn(24, 64)
+    out = torch.empty(24 * 4, 16)
+    assert hadamard_chunks_(x.view(-1, 16), out=out) is out
+    assert torch.equal(out.view(24, 64), random_hadamard_transform(x, dim=1))
 
 
 def test_transform_then_gemm_equals_gemm_to_fp32_rounding():

@@ -30,6 +30,15 @@ def test_fast_path_matches_reference(shape, dim, dtype, chunk_elements, monkeypa
     assert torch.equal(bits(mxfp8.fake_quantize_ref(x, dim=dim)), bits(d))
 
 
+def test_out_buffer():
+    x = torch.randn(33, 50)
+    out = torch.full((33 * 64,), float("nan"))
+    result = mxfp8.fake_quantize(x, out=out)
+    assert result.data_ptr() == out.data_ptr() and torch.equal(bits(result), bits(mxfp8.fake_quantize(x)))
+    with pytest.raises(ValueError, match="out must be"):
+        mxfp8.fake_quantize(x, out=torch.empty(33 * 50))
+
+
 def test_scale_is_the_power_of_two_at_or_above_amax_over_448():
     x = torch.randn(16, 128) * torch.logspace(-20, 20, 16)[:, None]
     x[0, :32] = 0.0

@@ -76,6 +76,64 @@ def test_fast_path_matches_reference_bit_for_bit(shape, dim, block_2d, dtype, st
     assert torch.equal(bits(f_ref), bits(d_ref))
 
 
+GROUP_CASES = [  # shape, dim, block_2d, group rows (rows of the block matrix: all dims but `dim`)
+    ((70, 50), -1, False, [7, 0, 40, 23]),  # an empty group; cols padded 50 -> 64
+    ((3, 40, 24), 1, False, [24, 24, 24]),  # three [40, 24] weights quantized along their dim 0
+    ((1200, 16), -1, False, [300, 1, 899]),  # the [blocks, 16] layout of the grouped GEMM's flat buffers
+    ((64, 77), -1, True, [16, 32, 16]),  # 16x16 tiles: groups of whole tile rows
+    ((40, 77), -1, True, [32, 8]),  # the last group may end in a partial tile row
+]
+
+
+def _group_slices(x: torch.Tensor, dim: int, group_rows: list[int]) -> list[torch.Tensor]:
+    """Each group as a tensor of its own: the rows of x's block matrix (x with `dim` moved last, flattened)."""
+    moved = x.movedim(dim, -1)
+    rows = moved.reshape(-1, moved.shape[-1])
+    starts = torch.tensor([0] + group_rows).cumsum(0).tolist()
+    return [rows[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,dim,block_2d,group_rows", GROUP_CASES)
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("chunk_elements", [None, 200])
+def test_group_rows_quantize_each_group_alone(shape, dim, block_2d, group_rows, dtype, stochastic, chunk_elements,
+                                              monkeypatch):
+    """group_rows == quantizing each group on its own by the reference (own amax), SR draws one after another."""
+    if chunk_elements is not None:  # chunks that cut across groups
+        monkeypatch.setattr(nvfp4, "_CHUNK_ELEMENTS", chunk_elements)
+    x = torch.randn(shape) * torch.logspace(-3, 3, shape[-1])  # groups with different amaxes
+    x.view(-1)[:20] = 0.0
+    x = x.to(dtype)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    grouped = nvfp4.fake_quantize(x, dim=dim, block_2d=block_2d, stochastic_rounding=stochastic, generator=g1,
+                                  group_rows=group_rows)
+    expected = [nvfp4.fake_quantize_ref(part, block_2d=block_2d, stochastic_rounding=stochastic, generator=g2)
+                for part in _group_slices(x, dim, group_rows)]
+    assert grouped.shape == x.shape
+    assert torch.equal(bits(torch.cat(_group_slices(grouped, dim, group_rows))), bits(torch.cat(expected)))
+    assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_out_buffer_and_group_rows_validation():
+    x = torch.randn(33, 50)
+    out = torch.full((33 * 64,), float("nan"))
+    result = nvfp4.fake_quantize(x, stochastic_rounding=True, generator=torch.Generator().manual_seed(1), out=out)
+    assert result.data_ptr() == out.data_ptr()
+    fresh = nvfp4.fake_quantize(x, stochastic_rounding=True, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(bits(result), bits(fresh))
+    with pytest.raises(ValueError, match="out must be"):
+        nvfp4.fake_quantize(x, out=torch.empty(33 * 50))
+    with pytest.raises(ValueError, match="sum to"):
+        nvfp4.fake_quantize(x, group_rows=[30, 2])
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nvfp4.fake_quantize(torch.randn(48, 32), block_2d=True, group_rows=[8, 40])
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        bad = torch.randn(32, 32)
+        bad[20, 3] = float("nan")
+        nvfp4.fake_quantize(bad, group_rows=[16, 16])
+
+
 @pytest.mark.parametrize("block_2d", [False, True])
 @pytest.mark.parametrize("with_max", [False, True])
 def test_subnormal_zero_and_max_blocks_follow_te_chain(block_2d, with_max):
@@ -262,7 +320,7 @@ def test_stochastic_rounding_is_seeded_and_lands_on_neighbours():
 
 
 @pytest.mark.parametrize("fn", [nvfp4.quantize, nvfp4.quantize_ref, nvfp4.fake_quantize, nvfp4.fake_quantize_ref])
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("bad", [float("nan"), -float("nan"), float("inf"), float("-inf")])
 def test_non_finite_input_is_rejected(fn, bad):
     x = torch.randn(4, 32)
     x[2, 5] = bad

@@ -200,6 +200,117 @@ def test_quantized_grouped_mm_is_per_expert_emulated_linear():
         gm(x, w[:, :, :32], sizes)
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """Bytes of a tensor of any dtype (bit-exact comparison, -0.0 != 0.0)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8)
+
+
+GROUPED_RECIPES = {
+    "nvfp4": QuantRecipe(seed=1),
+    "nvfp4 no rht": QuantRecipe(rht=False, seed=2),
+    "nvfp4 1d weights": QuantRecipe(two_d_weights=False, seed=3),
+    "mxfp8": QuantRecipe(format="mxfp8"),
+    "bf16": QuantRecipe(format="bf16"),
+}
+
+
+def reference_expert_gemms(recipe: QuantRecipe, x, w, g, generator):
+    """(y, dx, dw) of one expert from the recipe table's operands, each quantized alone by the reference
+    quantizers (stochastic rounding: the dgrad operand's draws, then the wgrad operand's)."""
+    dy = g.float()
+    if recipe.format == "bf16":
+        to_bf16 = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+        x_q, w_q, dy_q = to_bf16(x), to_bf16(w), to_bf16(dy)
+        return x_q @ w_q.t(), dy_q @ w_q, dy_q.t() @ x_q
+    if recipe.format == "mxfp8":
+        fq = mxfp8.fake_quantize_ref
+        return fq(x, dim=-1) @ fq(w, dim=1).t(), fq(dy, dim=-1) @ fq(w, dim=0), fq(dy, dim=0).t() @ fq(x, dim=0)
+    fq = nvfp4.fake_quantize_ref
+    w_fprop = fq(w, block_2d=True) if recipe.two_d_weights else fq(w, dim=1)
+    w_dgrad = w_fprop if recipe.two_d_weights else fq(w, dim=0)
+    sr = {"stochastic_rounding": recipe.stochastic_rounding, "generator": generator}
+    dx = fq(dy, dim=-1, **sr) @ w_dgrad
+    dw = wgrad_operand(dy, recipe.rht, **sr).t() @ wgrad_operand(x, recipe.rht)
+    return fq(x, dim=-1) @ w_fprop.t(), dx, dw
+
+
+@pytest.mark.parametrize("name", list(GROUPED_RECIPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sizes", [[7, 0, 18, 5], [0, 30, 0, 0], [13, 1, 2, 14]])
+def test_grouped_mm_equals_reference_expert_gemms(name, dtype, sizes):
+    """Every expert's three GEMMs equal the matmuls of its own operands from the reference quantizers; the SR
+    stream is drawn expert by expert, from the last one with rows to the first (each: dgrad, then wgrad)."""
+    recipe = GROUPED_RECIPES[name]
+    gm = quantized_grouped_mm(recipe, seed_offset=4)
+    # 24 outputs and 72 inputs: not multiples of 16 (padding, and slices at unaligned addresses).
+    x = (torch.randn(30, 72) * 2).to(dtype).requires_grad_()
+    w = (torch.randn(4, 24, 72) / 8).requires_grad_()
+    g = torch.randn(30, 24).to(dtype)
+    y = gm(x, w, torch.tensor(sizes))
+    y.backward(g)
+
+    generator = torch.Generator().manual_seed(recipe.seed + 4)
+    starts = torch.tensor([0] + sizes).cumsum(0).tolist()
+    experts = [e for e, n in enumerate(sizes) if n]
+    expected_y, expected_dx = torch.empty(30, 24, dtype=dtype), torch.empty(30, 72, dtype=dtype)
+    expected_dw = torch.zeros(4, 24, 72)
+    for e in reversed(experts):
+        rows = slice(starts[e], starts[e + 1])
+        y_e, dx_e, dw_e = reference_expert_gemms(recipe, x.detach()[rows], w.detach()[e], g[rows], generator)
+        expected_y[rows], expected_dx[rows], expected_dw[e] = y_e, dx_e, dw_e
+    if len(experts) > 1:  # autograd summed the experts' slice gradients into zeros: -0 -> +0
+        expected_dx, expected_dw = expected_dx + 0.0, expected_dw + 0.0
+    assert torch.equal(raw(y), raw(expected_y))
+    assert torch.equal(raw(x.grad), raw(expected_dx))
+    assert torch.equal(raw(w.grad), raw(expected_dw))
+    if recipe.stochastic_rounding:
+        assert torch.equal(gm.sr_generators.get_state(), generator.get_state())
+
+
+def per_expert_loop(recipe, sr_generators, stats, x, w, sizes):
+    """The grouped GEMM as it was written before the experts were batched: one emulated linear per expert with
+    rows, sharing the module's SR stream, outputs concatenated."""
+    outputs, start = [], 0
+    for expert, rows in enumerate(sizes):
+        if rows:
+            outputs.append(emulated_linear(x[start : start + rows], w[expert], None, recipe, sr_generators, stats))
+        start += rows
+    return torch.cat(outputs)
+
+
+@pytest.mark.parametrize("name", list(GROUPED_RECIPES))
+def test_grouped_mm_continues_the_per_expert_loop_bit_for_bit(name):
+    """An up -> relu^2 -> down expert MLP through one grouped GEMM module (both GEMMs draw from its stream),
+    twice (the stream goes on): outputs, gradients, the stream and the underflow counts equal the per-expert
+    loop's."""
+    recipe = GROUPED_RECIPES[name]
+    sizes = [9, 0, 33, 1, 21]
+    x0 = torch.randn(64, 48)
+    w_up, w_down = torch.randn(5, 80, 48) / 7, torch.randn(5, 48, 80) / 9
+    results = []
+    for batched in (True, False):
+        gm = quantized_grouped_mm(recipe, seed_offset=7)
+        gm.stats.enabled = True
+        x, up, down = (t.clone().requires_grad_() for t in (x0, w_up, w_down))
+        outputs = []
+        for _ in range(2):
+            if batched:
+                y = gm(F.relu(gm(x, up, torch.tensor(sizes))) ** 2, down, torch.tensor(sizes))
+            else:
+                hidden = per_expert_loop(recipe, gm.sr_generators, gm.stats, x, up, sizes)
+                y = per_expert_loop(recipe, gm.sr_generators, gm.stats, F.relu(hidden) ** 2, down, sizes)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(len(outputs))))
+            outputs.append(y.detach())
+        state = gm.sr_generators.get_state()
+        results.append((outputs, x.grad, up.grad, down.grad, state, gm.stats.input_zero_fraction,
+                        gm.stats.weight_zero_fraction))
+    (out_a, *grads_a, state_a, in_a, w_a), (out_b, *grads_b, state_b, in_b, w_b) = results
+    for a, b in zip(out_a + grads_a, out_b + grads_b):
+        assert torch.equal(raw(a), raw(b))
+    assert (state_a is None) == (state_b is None) and (state_a is None or torch.equal(state_a, state_b))
+    assert (in_a, w_a) == (in_b, w_b)
+
+
 def test_underflow_stats_count_flushed_fprop_operands():
     lin = nn.Linear(64, 16)
     q = QuantLinear.from_linear(lin, QuantRecipe())

@@ -37,13 +37,31 @@ def rht_matrix(signs=TE_RHT_SIGNS, dtype: torch.dtype = torch.float32, device=No
     return sign[:, None] * sylvester_hadamard(n, dtype, device) / n**0.5
 
 
+_TE_MATRICES: dict[torch.device, Tensor] = {}
+
+
+def te_rht_matrix(device=None) -> Tensor:
+    """:func:`rht_matrix` with TE's signs in fp32, built once per device (the wgrad GEMMs apply it every step).
+    Shared: do not modify it."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device not in _TE_MATRICES:
+        _TE_MATRICES[device] = rht_matrix(device=device)
+    return _TE_MATRICES[device]
+
+
+def hadamard_chunks_(chunks: Tensor, out: Tensor) -> Tensor:
+    """``out <- chunks @ H`` (TE's matrix) for fp32 ``[n, 16]`` views, the product
+    :func:`random_hadamard_transform` computes along a contiguous last dim, written into a caller's buffer."""
+    return torch.mm(chunks, te_rht_matrix(chunks.device), out=out)
+
+
 def random_hadamard_transform(x: Tensor, dim: int = 0, matrix: Tensor | None = None) -> Tensor:
     """Apply ``H`` (default: :func:`rht_matrix` with TE's signs) to chunks of 16 along ``dim``.
 
     ``x.shape[dim]`` must be a multiple of the transform size (pad tokens with zeros first: zero rows stay
     zero). Computed in fp32; returns fp32.
     """
-    h = rht_matrix(device=x.device) if matrix is None else matrix.to(device=x.device, dtype=torch.float32)
+    h = te_rht_matrix(x.device) if matrix is None else matrix.to(device=x.device, dtype=torch.float32)
     size = h.shape[0]
     if x.ndim == 0:
         raise ValueError("random_hadamard_transform expects a tensor with at least one dimension")

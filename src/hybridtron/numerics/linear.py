@@ -26,6 +26,13 @@ Swapping in: ``module.lin = QuantLinear.from_linear(module.lin, recipe)`` keeps 
 (state-dict names ``weight``/``bias`` unchanged), and ``experts.grouped_mm = quantized_grouped_mm(recipe)``
 replaces a RoutedExperts' grouped matmul (docs/MODEL_API.md contract).
 
+Grouped GEMMs: a linear and a RoutedExperts' grouped matmul run through one autograd Function, a linear as
+one group. Each expert's operands get their own tensor scales, as if it were a GEMM of its own, but all
+experts' operands are quantized together (few passes, no per-expert loop of small tensors). Stochastic
+rounding draws, for the experts from the last to the first, the dgrad operand's uniforms then the wgrad
+operand's: the order autograd ran the per-expert GEMMs' backward when each was a Function of its own, so the
+stream, and every bit of the result, are what they were then.
+
 Underflow monitoring: every QuantLinear / quantized grouped matmul has ``stats`` (:class:`UnderflowStats`),
 off by default; when ``stats.enabled`` it keeps running counts of fprop operand values that were non-zero
 before quantization and zero after (the white paper saw NVFP4 flush up to 40% of Mamba out_proj values).
@@ -33,13 +40,15 @@ before quantization and zero after (the white paper saw NVFP4 flush up to 40% of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridtron.numerics import mxfp8, nvfp4
-from hybridtron.numerics.hadamard import RHT_SIZE, random_hadamard_transform
+from hybridtron.numerics.hadamard import RHT_SIZE, hadamard_chunks_
 
 FORMATS = ("nvfp4", "mxfp8", "bf16")
 _NVFP4_OPTIONS = ("stochastic_rounding", "rht", "two_d_weights")
@@ -120,71 +129,280 @@ class UnderflowStats:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Operand quantization (all return fp32 values)
+# Operand quantization. A linear is a grouped GEMM with one group; the routed experts have a group per expert
+# with rows. Each group's operands get their own tensor scales (as TE's grouped linear), but all groups are
+# quantized together, in a few passes instead of a few per expert.
 # ----------------------------------------------------------------------------------------------------------
 
+# torch's CPU allocator aligns to 64 bytes. MKL's small-GEMM kernels round differently for operands that are not
+# 16-byte aligned, and the emulation multiplied fresh tensors before groups were batched, so every GEMM operand
+# or output that is a view into a shared buffer is kept 64-byte aligned (else copied) to give the same bits.
+_ALIGNMENT = 64
 
-def _quantize_1d(t: Tensor, recipe: QuantRecipe, dim: int, generator=None, stochastic=False) -> Tensor:
+
+@dataclass(frozen=True)
+class _Group:
+    """Rows ``start:start + rows`` of X multiply weight[expert]."""
+
+    expert: int
+    start: int
+    rows: int
+
+    @property
+    def slice(self) -> slice:
+        return slice(self.start, self.start + self.rows)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _group_rows(rows: list[int]) -> list[int] | None:
+    """Rows per tensor scale for the quantizer; None (one scale: the plain path) for a single group."""
+    return rows if len(rows) > 1 else None
+
+
+def _is_aligned(t: Tensor) -> bool:
+    return t.data_ptr() % _ALIGNMENT == 0
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """``t``, or a copy with the same strides at a fresh (aligned) address."""
+    if _is_aligned(t):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _mm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """``out <- a @ b``, accumulated in fp32 (then converted to out's dtype)."""
+    a, b = _aligned(a), _aligned(b)
+    if out.dtype == torch.float32 and out.is_contiguous() and _is_aligned(out):
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(a @ b)
+
+
+def _scratch(name: str, shape: tuple[int, ...], like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """A reused buffer (nvfp4's scratch: on a CPU, fresh memory's page faults cost more than the arithmetic) for
+    a temporary that never leaves one forward or backward call. A name must not be used twice in one call; in
+    use: forward x_q, w_q; backward dy, dy.q, dy.q.bf16, dgrad.q, staging, x, x.q, w_q."""
+    return nvfp4._SCRATCH.get(f"gemm.{name}", shape, dtype, like.device)
+
+
+def _matrices(name: str, shapes: list[tuple[int, int]], like: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """A scratch buffer holding fp32 matrices of ``shapes`` back to back, and a view of each. Every shape used
+    here has a multiple of 16 elements, so every view is 64-byte aligned."""
+    sizes = [rows * cols for rows, cols in shapes]
+    flat = _scratch(name, (sum(sizes),), like)
+    return flat, [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
+
+def _split_views(values: Tensor, shapes: list[tuple[int, int]]) -> list[Tensor]:
+    """Views of a contiguous buffer laid out by :func:`_matrices` (e.g. its quantized values)."""
+    sizes = [rows * cols for rows, cols in shapes]
+    return [part.view(shape) for part, shape in zip(values.reshape(-1).split(sizes), shapes)]
+
+
+def _copy_padded(dst: Tensor, src: Tensor) -> None:
+    """dst[:, :n] <- src [m, n], zeros in dst's remaining columns."""
+    n = src.shape[1]
+    dst[:, :n].copy_(src)
+    dst[:, n:].zero_()
+
+
+def _copy_transposed(dst: Tensor, rows: Tensor, rht: bool) -> None:
+    """dst [F, tokens padded] <- rows [tokens, F] transposed, tokens zero-padded, then rotated by the RHT along
+    tokens when ``rht`` (TE: transpose, pad, chunks of 16 tokens @ H)."""
+    if not rht:
+        _copy_padded(dst, rows.t())
+        return
+    staging = _scratch("staging", tuple(dst.shape), dst)
+    _copy_padded(staging, rows.t())
+    hadamard_chunks_(staging.view(-1, RHT_SIZE), out=dst.view(-1, RHT_SIZE))
+
+
+def _to_bf16_values(t: Tensor, scratch: str | None = None) -> Tensor:
+    """t rounded to bf16, as fp32 (into scratch buffers when ``scratch`` names a temporary)."""
+    if scratch is None:
+        return t.to(torch.bfloat16).to(torch.float32)
+    rounded = _scratch(f"{scratch}.bf16", tuple(t.shape), t, torch.bfloat16).copy_(t)
+    return _scratch(scratch, tuple(t.shape), t).copy_(rounded)
+
+
+def _padded_shape(t: Tensor, block: int) -> tuple[int, int]:
+    """The quantizer's block matrix of t [..., K] with blocks along K: [rows, K padded to ``block``]."""
+    return math.prod(t.shape[:-1]), _round_up(t.shape[-1], block)
+
+
+def _quantize_input(x: Tensor, groups: tuple[_Group, ...], recipe: QuantRecipe) -> Tensor:
+    """fprop's X [S, K] -> fp32 values, blocks along K (bf16's are kept for wgrad: fresh; else scratch)."""
     if recipe.format == "nvfp4":
-        return nvfp4.fake_quantize(t, dim=dim, stochastic_rounding=stochastic, generator=generator)
+        out = _scratch("x_q", _padded_shape(x, nvfp4.BLOCK_SIZE), x)
+        return nvfp4.fake_quantize(x, dim=-1, group_rows=_group_rows([g.rows for g in groups]), out=out)
     if recipe.format == "mxfp8":
-        return mxfp8.fake_quantize(t, dim=dim)
-    return t.to(torch.bfloat16).to(torch.float32)
+        return mxfp8.fake_quantize(x, dim=-1, out=_scratch("x_q", _padded_shape(x, mxfp8.BLOCK_SIZE), x))
+    return _to_bf16_values(x)
 
 
-def _quantize_weight(weight: Tensor, recipe: QuantRecipe, reduction_dim: int) -> Tensor:
-    """W for a GEMM reducing over ``reduction_dim`` (1: fprop over K, 0: dgrad over N)."""
+def _quantize_weights(weights: Tensor, recipe: QuantRecipe, reduction_dim: int) -> Tensor:
+    """W [G, O, K] -> fp32 values for GEMMs reducing over ``reduction_dim`` of each weight (2: fprop over K,
+    1: dgrad over O). Values that both GEMMs use (bf16's, NVFP4's 16x16 tiles) are fresh tensors, kept for dgrad;
+    the others are scratch."""
+    count, out_features, in_features = weights.shape
     if recipe.format == "nvfp4" and recipe.two_d_weights:
-        return nvfp4.fake_quantize(weight, block_2d=True)
-    return _quantize_1d(weight, recipe, reduction_dim)
+        # 16x16 tiles, the same values for fprop and dgrad. Zero rows pad each weight to a multiple of 16 rows so
+        # that no tile spans two weights (padding never changes an amax).
+        rows = out_features if count == 1 else _round_up(out_features, nvfp4.BLOCK_SIZE)
+        padded = weights if rows == out_features else F.pad(weights, (0, 0, 0, rows - out_features))
+        values = nvfp4.fake_quantize(padded.reshape(count * rows, in_features), block_2d=True,
+                                     group_rows=_group_rows([rows] * count))
+        return values.view(count, rows, in_features)[:, :out_features]
+    if recipe.format == "bf16":
+        return _to_bf16_values(weights)
+    block = nvfp4.BLOCK_SIZE if recipe.format == "nvfp4" else mxfp8.BLOCK_SIZE
+    out = _scratch("w_q", _padded_shape(weights.movedim(reduction_dim, -1), block), weights)
+    if recipe.format == "nvfp4":
+        rows = in_features if reduction_dim == 1 else out_features  # rows of each weight's block matrix
+        return nvfp4.fake_quantize(weights, dim=reduction_dim, group_rows=_group_rows([rows] * count), out=out)
+    return mxfp8.fake_quantize(weights, dim=reduction_dim, out=out)
 
 
-def _quantize_wgrad_operand(t: Tensor, recipe: QuantRecipe, generator=None, stochastic=False) -> Tensor:
-    """[tokens, features] -> quantized along tokens (after the RHT, on tokens zero-padded to a multiple of 16,
-    when it is on). Returns [tokens (padded), features]."""
-    if not recipe.rht:
-        return _quantize_1d(t, recipe, 0, generator, stochastic)
-    tokens, features = t.shape
-    # One transposing copy gives the [features, tokens] layout that both the RHT and 1x16 blocks along tokens
-    # read contiguously.
-    t_T = t.new_empty((features, tokens + (-tokens) % RHT_SIZE), dtype=torch.float32)
-    t_T[:, :tokens].copy_(t.t())
-    t_T[:, tokens:].zero_()
-    rotated = random_hadamard_transform(t_T, dim=1)
-    return _quantize_1d(rotated, recipe, 1, generator, stochastic).t()
+def _wgrad_operands(t: Tensor, groups: tuple[_Group, ...], recipe: QuantRecipe, name: str) -> list[Tensor]:
+    """wgrad's operand [F, tokens] of each group from t [S, F] (RNE), blocks along tokens, in scratch buffers
+    ``name``.
+
+    With the RHT the GEMM reduces over the zero-padded tokens too (TE's); without it, over the real tokens only."""
+    block = mxfp8.BLOCK_SIZE if recipe.format == "mxfp8" else nvfp4.BLOCK_SIZE
+    shapes = [(t.shape[1], _round_up(g.rows, block)) for g in groups]
+    flat, views = _matrices(name, shapes, t)
+    for group, view in zip(groups, views):
+        _copy_transposed(view, t[group.slice], recipe.rht)
+    out = _scratch(f"{name}.q", tuple(flat.shape), t)
+    if recipe.format == "nvfp4":
+        values = nvfp4.fake_quantize(flat.view(-1, block), out=out,
+                                     group_rows=_group_rows([rows * cols // block for rows, cols in shapes]))
+    else:
+        values = mxfp8.fake_quantize(flat.view(-1, block), out=out)  # no tensor scale: blocks are independent
+    views = _split_views(values, shapes)
+    return views if recipe.rht else [view[:, : g.rows] for view, g in zip(views, groups)]
 
 
-class _EmulatedLinear(torch.autograd.Function):
-    """Y = X W^T with each of the three GEMMs on quantized operands (see the module docstring)."""
+def _nvfp4_gradient_operands(dy: Tensor, groups: tuple[_Group, ...], recipe: QuantRecipe, generator,
+                             need_dgrad: bool, need_wgrad: bool) -> tuple[list, list]:
+    """dY's operands of each group, quantized in one pass: dgrad [rows, O] (1x16 along O) and wgrad
+    [O, tokens] (1x16 along tokens, after the RHT).
+
+    Stochastic rounding draws, group by group from the last to the first, the dgrad operand's padded matrix and
+    then the wgrad operand's: the order in which autograd ran the experts' backward when each expert was a GEMM
+    of its own, so that a stream goes on exactly as it did."""
+    out_features = dy.shape[1]
+    layout = []  # (group index, is dgrad, shape), in drawing order
+    for index in reversed(range(len(groups))):
+        rows = groups[index].rows
+        if need_dgrad:
+            layout.append((index, True, (rows, _round_up(out_features, nvfp4.BLOCK_SIZE))))
+        if need_wgrad:
+            layout.append((index, False, (out_features, _round_up(rows, RHT_SIZE))))
+    shapes = [shape for _, _, shape in layout]
+    flat, views = _matrices("dy", shapes, dy)
+    for (index, is_dgrad, _), view in zip(layout, views):
+        if is_dgrad:
+            _copy_padded(view, dy[groups[index].slice])
+        else:
+            _copy_transposed(view, dy[groups[index].slice], recipe.rht)
+    values = nvfp4.fake_quantize(
+        flat.view(-1, nvfp4.BLOCK_SIZE), stochastic_rounding=recipe.stochastic_rounding, generator=generator,
+        group_rows=_group_rows([rows * cols // nvfp4.BLOCK_SIZE for rows, cols in shapes]),
+        out=_scratch("dy.q", tuple(flat.shape), dy),
+    )
+    dgrad, wgrad = [None] * len(groups), [None] * len(groups)
+    for (index, is_dgrad, _), view in zip(layout, _split_views(values, shapes)):
+        if is_dgrad:
+            dgrad[index] = view[:, :out_features]
+        else:
+            wgrad[index] = view if recipe.rht else view[:, : groups[index].rows]
+    return dgrad, wgrad
+
+
+def _gradient_operands(dy: Tensor, groups: tuple[_Group, ...], recipe: QuantRecipe, sampler, need_dgrad: bool,
+                       need_wgrad: bool) -> tuple[list | None, list | None]:
+    """dY's operands of each group: dgrad [rows, O] and wgrad [O, tokens] (None where not needed)."""
+    if recipe.format == "nvfp4":
+        generator = sampler(dy.device) if recipe.stochastic_rounding else None
+        return _nvfp4_gradient_operands(dy, groups, recipe, generator, need_dgrad, need_wgrad)
+    if recipe.format == "mxfp8":
+        dgrad = wgrad = None
+        if need_dgrad:
+            out = _scratch("dgrad.q", _padded_shape(dy, mxfp8.BLOCK_SIZE), dy)
+            values = mxfp8.fake_quantize(dy, dim=-1, out=out)
+            dgrad = [values[g.slice] for g in groups]
+        if need_wgrad:
+            wgrad = _wgrad_operands(dy, groups, recipe, "dy")
+        return dgrad, wgrad
+    values = _to_bf16_values(dy, scratch="dy.q")  # one rounding serves both GEMMs
+    return [values[g.slice] for g in groups], [values[g.slice].t() for g in groups]
+
+
+def _weights_of(weight: Tensor, groups: tuple[_Group, ...]) -> Tensor:
+    """[G, O, K]: the weight of each group (only experts with rows are quantized, as before batching)."""
+    experts = [g.expert for g in groups]
+    return weight if experts == list(range(weight.shape[0])) else weight[experts]
+
+
+class _EmulatedGroupedLinear(torch.autograd.Function):
+    """Y[g rows] = X[g rows] W[g.expert]^T for each group g, with each of the three GEMMs on quantized operands
+    (see the module docstring); x [S, K], weight [E, O, K]; returns fp32 [S, O]."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, recipe: QuantRecipe, sampler, stats: UnderflowStats | None):
-        x_q = _quantize_1d(x, recipe, dim=-1)
-        w_q = _quantize_weight(weight, recipe, reduction_dim=1)
+    def forward(ctx, x: Tensor, weight: Tensor, groups: tuple[_Group, ...], recipe: QuantRecipe, sampler,
+                stats: UnderflowStats | None):
+        weights = _weights_of(weight, groups)
+        x_q = _quantize_input(x, groups, recipe)
+        w_q = _quantize_weights(weights, recipe, reduction_dim=2)
         if stats is not None and stats.enabled:
             stats.record("input", x, x_q)
-            stats.record("weight", weight, w_q)
-        reuse_weight = recipe.format == "nvfp4" and recipe.two_d_weights
-        ctx.save_for_backward(x, weight, w_q if reuse_weight else None)
-        ctx.recipe, ctx.sampler = recipe, sampler
-        return x_q @ w_q.t()
+            stats.record("weight", weights, w_q)
+        y = x.new_empty((x.shape[0], weight.shape[1]), dtype=torch.float32)
+        for index, group in enumerate(groups):
+            _mm_into(x_q[group.slice], w_q[index].t(), y[group.slice])
+        # Operands that another GEMM uses unchanged are kept: bf16's X and W, NVFP4's 16x16-tile W.
+        bf16 = recipe.format == "bf16"
+        reuse_weight = bf16 or (recipe.format == "nvfp4" and recipe.two_d_weights)
+        ctx.save_for_backward(x_q if bf16 else x, weight, w_q if reuse_weight else None)
+        ctx.x_dtype, ctx.groups, ctx.recipe, ctx.sampler = x.dtype, groups, recipe, sampler
+        return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, weight, w_q = ctx.saved_tensors
         recipe: QuantRecipe = ctx.recipe
-        sr = recipe.stochastic_rounding
-        generator = ctx.sampler(dy.device) if sr else None
+        groups: tuple[_Group, ...] = ctx.groups
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dgrad_dy, wgrad_dy = _gradient_operands(dy, groups, recipe, ctx.sampler, need_dx, need_dw)
+        # When each expert was a GEMM of its own, autograd summed the experts' slice gradients into zeros, which
+        # turns -0 into +0; adding +0 keeps those bits (and changes no other value).
+        several = len(groups) > 1
         dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dy_q = _quantize_1d(dy, recipe, dim=-1, generator=generator, stochastic=sr)
-            w_dgrad = w_q if w_q is not None else _quantize_weight(weight, recipe, reduction_dim=0)
-            dx = (dy_q @ w_dgrad).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dy_t = _quantize_wgrad_operand(dy, recipe, generator, stochastic=sr)
-            x_t = _quantize_wgrad_operand(x, recipe)
-            dw = (dy_t.t() @ x_t).to(weight.dtype)
-        return dx, dw, None, None, None
+        if need_dx:
+            if w_q is None:
+                w_q = _quantize_weights(_weights_of(weight, groups), recipe, reduction_dim=1)
+            dx = dy.new_empty((dy.shape[0], weight.shape[2]), dtype=ctx.x_dtype)
+            for index, group in enumerate(groups):
+                _mm_into(dgrad_dy[index], w_q[index], dx[group.slice])
+            if several:
+                dx.add_(0.0)
+        if need_dw:
+            if recipe.format == "bf16":
+                wgrad_x = [x[g.slice] for g in groups]
+            else:
+                wgrad_x = [operand.t() for operand in _wgrad_operands(x, groups, recipe, "x")]
+            all_experts = len(groups) == weight.shape[0]
+            dw = weight.new_empty(weight.shape) if all_experts else weight.new_zeros(weight.shape)
+            for index, group in enumerate(groups):
+                _mm_into(wgrad_dy[index], wgrad_x[index], dw[group.expert])
+            if several:
+                dw.add_(0.0)
+        return dx, dw, None, None, None, None
 
 
 class GeneratorSource:
@@ -229,7 +447,9 @@ def emulated_linear(
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"emulated_linear: input has {x.shape[-1]} features but weight is {tuple(weight.shape)}")
     source = generator_source if generator_source is not None else GeneratorSource(recipe.seed)
-    y = _EmulatedLinear.apply(x.reshape(-1, x.shape[-1]), weight, recipe, source, stats)
+    x_2d = x.reshape(-1, x.shape[-1])
+    group = _Group(expert=0, start=0, rows=x_2d.shape[0])
+    y = _EmulatedGroupedLinear.apply(x_2d, weight.unsqueeze(0), (group,), recipe, source, stats)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
@@ -285,8 +505,8 @@ class QuantizedGroupedMM:
     """Grouped matmul (docs/MODEL_API.md contract) with each expert's GEMMs emulated under ``recipe``.
 
     ``(x_SK [S, K], w_EOK [E, O, K], group_sizes [E]) -> y [S, O]``; rows of x are sorted by expert and
-    ``y_rows = x_rows @ w[e].T``. Each expert's operands are quantized on their own (per-expert amax), as TE's
-    grouped linear does; experts with no rows are skipped.
+    ``y_rows = x_rows @ w[e].T``. Each expert's operands get their own tensor scales (per-expert amax), as TE's
+    grouped linear does, but all experts are quantized together; experts with no rows are skipped.
     """
 
     def __init__(self, recipe: QuantRecipe, seed_offset: int = 0) -> None:
@@ -307,17 +527,15 @@ class QuantizedGroupedMM:
                 f"grouped_mm group_sizes {sizes} must be {w_EOK.shape[0]} non-negative counts "
                 f"summing to {x_SK.shape[0]}"
             )
-        outputs, start = [], 0
+        groups, start = [], 0
         for expert, rows in enumerate(sizes):
             if rows:
-                x_e = x_SK[start : start + rows]
-                outputs.append(
-                    emulated_linear(x_e, w_EOK[expert], None, self.recipe, self.sr_generators, self.stats)
-                )
+                groups.append(_Group(expert, start, rows))
             start += rows
-        if not outputs:  # S == 0: an empty [0, O] result that still hangs on the autograd graph
+        if not groups:  # S == 0: an empty [0, O] result that still hangs on the autograd graph
             return x_SK @ w_EOK.sum(dim=0).t().to(x_SK.dtype)
-        return torch.cat(outputs, dim=0)
+        y = _EmulatedGroupedLinear.apply(x_SK, w_EOK, tuple(groups), self.recipe, self.sr_generators, self.stats)
+        return y.to(x_SK.dtype)
 
     def __repr__(self) -> str:
         return f"QuantizedGroupedMM({self.recipe})"

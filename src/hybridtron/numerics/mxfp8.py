@@ -32,10 +32,12 @@ from hybridtron.numerics.nvfp4 import (
     _SCRATCH,
     E4M3_MAX,
     _block_amax,
+    _SIGN_BIT,
     _check_finite,
     _chunk_rows,
     _e4m3_round_,
     _from_block_matrix,
+    _output_matrix,
     _to_block_matrix,
     e4m3_from_bytes,
 )
@@ -108,11 +110,12 @@ def dequantize(q: MXFP8Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
     return _from_block_matrix(out, q.shape, q.dim).to(dtype)
 
 
-def fake_quantize(x: Tensor, *, dim: int = -1) -> Tensor:
-    """``dequantize(quantize(x))`` in one pass without the byte encoding; fp32, in x's shape."""
+def fake_quantize(x: Tensor, *, dim: int = -1, out: Tensor | None = None) -> Tensor:
+    """``dequantize(quantize(x))`` in one pass without the byte encoding; fp32, in x's shape. ``out``: as for
+    :func:`hybridtron.numerics.nvfp4.fake_quantize`."""
     matrix, d, exponent = _blocks(x, dim)
     rows, cols = matrix.shape
-    out = torch.empty_like(matrix)
+    out = _output_matrix(matrix, out)
     scale, scale_inv = _pow2(exponent)[:, :, None], _pow2(-exponent)[:, :, None]
     chunks = _chunks(matrix)
     work = _SCRATCH.get("work", (chunks[0][1], cols), torch.int32, x.device) if chunks else None
@@ -120,8 +123,12 @@ def fake_quantize(x: Tensor, *, dim: int = -1) -> Tensor:
         x_blocks = matrix[r0:r1].view(r1 - r0, -1, BLOCK_SIZE)
         y = out[r0:r1].view(r1 - r0, -1, BLOCK_SIZE)
         torch.mul(x_blocks, scale_inv[r0:r1], out=y)
-        _e4m3_round_(y, work[: r1 - r0].view(y.shape))  # |y| <= 448 by the choice of scale
-        torch.copysign(y, x_blocks, out=y).mul_(scale[r0:r1])  # -0 for small negatives, as the cast gives
+        chunk_work = work[: r1 - r0].view(y.shape)
+        _e4m3_round_(y, chunk_work)  # |y| <= 448 by the choice of scale
+        # copysign(y, x): -0 for small negatives, as the cast gives (two integer passes beat torch.copysign)
+        torch.bitwise_and(x_blocks.view(torch.int32), _SIGN_BIT, out=chunk_work)
+        y.view(torch.int32).bitwise_or_(chunk_work)
+        y.mul_(scale[r0:r1])
     return _from_block_matrix(out, x.shape, d)
 
 

@@ -40,9 +40,13 @@ points far more often, up to ~0.1% of codes and ~0.3% of scale bytes, depending 
 with ``pts * s_b`` rounded first (TE's chain: ``(v * s_b) * S_dec``), so values can differ in the last bit.
 
 Fast path vs reference: ``quantize``/``dequantize``/``fake_quantize`` are vectorized, chunked over rows into
-reused buffers, and round with exact fp32 bit tricks (magic-number addition for RNE, fp16 subnormals to map
-E2M1/E4M3 values to their codes). ``quantize_ref``/``dequantize_ref``/``fake_quantize_ref`` spell the chain
-out with TE's threshold table and torch's float8 cast; the tests require the two to agree bit for bit.
+reused cache-sized buffers (stochastic rounding draws each chunk's uniforms as it rounds it: the same stream),
+take block maxima over the integer bits of |x|, and round with exact fp32 bit tricks (magic-number addition
+for RNE, fp16 subnormals to map E2M1/E4M3 values to their codes, the sign bit copied with integer ops).
+``fake_quantize(..., group_rows=...)`` quantizes consecutive row groups with a tensor scale each, as if each
+were a tensor of its own (the experts of a grouped GEMM in one pass). ``quantize_ref``/``dequantize_ref``/
+``fake_quantize_ref`` spell the chain out with TE's threshold table and torch's float8 cast; the tests require
+the two to agree bit for bit.
 """
 
 from __future__ import annotations
@@ -63,12 +67,13 @@ E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 # fp32 bit patterns used by the rounding tricks.
 _EXPONENT_MASK = 0x7F800000
+_SIGN_BIT = -(1 << 31)  # 0x80000000 as an int32
 _ONE_BITS = 0x3F800000  # 1.0: smallest normal E2M1 value
 _E2M1_MAGIC_OFFSET = (22 << 23) | 0x400000  # turns 2^e into 1.5 * 2^(e+22): ulp = 2^(e-1)
 _E4M3_MIN_NORMAL_BITS = 0x3C800000  # 2^-6
 _E4M3_MAGIC_OFFSET = (20 << 23) | 0x400000  # turns 2^e into 1.5 * 2^(e+20): ulp = 2^(e-3)
 _RCP6 = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), as TE's constexpr 1.0f/6.0f
-_CHUNK_ELEMENTS = 1 << 20  # CPU: rows are processed in chunks of about this many elements (4 MiB of fp32)
+_CHUNK_ELEMENTS = 1 << 18  # CPU: rows are processed in chunks of about this many elements (1 MiB of fp32)
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,16 @@ def _from_block_matrix(matrix: Tensor, shape: torch.Size, dim: int) -> Tensor:
     return cropped.reshape(moved_shape).movedim(-1, dim)
 
 
+def _output_matrix(matrix: Tensor, out: Tensor | None) -> Tensor:
+    """A result matrix shaped like ``matrix``: fresh, or the caller's fp32 buffer ``out`` viewed so."""
+    if out is None:
+        return torch.empty_like(matrix)
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != matrix.numel():
+        raise ValueError(f"out must be a contiguous fp32 tensor of {matrix.numel()} elements (the padded matrix "
+                         f"{tuple(matrix.shape)}), got {out.dtype} {tuple(out.shape)}")
+    return out.view(matrix.shape)
+
+
 def _check_finite(amax: Tensor, what: str) -> None:
     if not bool(torch.isfinite(amax)):
         raise ValueError(
@@ -246,13 +261,10 @@ def _chunk_rows(matrix: Tensor) -> int:
     return max(1, _CHUNK_ELEMENTS // max(cols, 1))
 
 
-def _new_uniform(matrix: Tensor, generator: torch.Generator | None, scratch: bool = False) -> Tensor:
-    """U[0, 1) draws for every element of the padded matrix, in one call (fast path and reference draw the
-    same stream)."""
-    if not scratch:
-        return torch.rand(matrix.shape, generator=generator, dtype=torch.float32, device=matrix.device)
-    out = _SCRATCH.get("uniform", tuple(matrix.shape), torch.float32, matrix.device)
-    return torch.rand(matrix.shape, generator=generator, out=out)
+def _new_uniform(matrix: Tensor, generator: torch.Generator | None) -> Tensor:
+    """U[0, 1) draws for every element of the padded matrix, in row order (the fast path draws the same stream
+    chunk by chunk: consecutive draws continue one sequence)."""
+    return torch.rand(matrix.shape, generator=generator, dtype=torch.float32, device=matrix.device)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -262,48 +274,69 @@ def _new_uniform(matrix: Tensor, generator: torch.Generator | None, scratch: boo
 
 @dataclass(frozen=True)
 class _BlockScales:
-    amax: Tensor  # fp32 scalar
-    s_dec: Tensor  # fp32 scalar
+    amax: Tensor  # fp32 scalar, or [groups] with group rows
+    s_dec: Tensor  # fp32 scalar, or [groups]
     scale: Tensor  # fp32 [rows, col_blocks]: E4M3 block scale values s_b
     encode: Tensor  # fp32 [rows, col_blocks]: enc_b
+    group_bounds: list[int] | None = None  # first row of each group, then the row count
+
+    def decode_(self, values: Tensor, r0: int) -> None:
+        """values (rows r0:r0 + len(values), already times s_b) *= their group's S_dec, in place."""
+        if self.group_bounds is None:
+            values.mul_(self.s_dec)
+            return
+        r1 = r0 + values.shape[0]
+        for group, (start, end) in enumerate(zip(self.group_bounds[:-1], self.group_bounds[1:])):
+            lo, hi = max(start, r0), min(end, r1)
+            if lo < hi:
+                values[lo - r0 : hi - r0].mul_(self.s_dec[group])
 
 
 def _block_amax(matrix: Tensor, block_size: int = BLOCK_SIZE) -> Tensor:
-    """max|x| of each 1 x block_size block, [rows, cols/block_size]: |x| then a pairwise-maximum tree
-    (16 -> 8 -> 4 -> 2 -> 1) on cache-sized chunks -- several times faster on a CPU than a reduction over a
-    16-wide inner dim. NaN propagates."""
+    """max|x| of each 1 x block_size block, [rows, cols/block_size], on cache-sized chunks. The maximum is taken
+    over the bits of |x| as int32 (the order of non-negative floats; NaN's bits exceed Inf's, so NaN
+    propagates): a CPU reduces integers over a 16-wide inner dim several times faster than floats."""
     rows, cols = matrix.shape
     blocks = cols // block_size
     out = matrix.new_empty((rows, blocks))
     if matrix.numel() == 0:
         return out.zero_()
     chunk = _chunk_rows(matrix)
-    widths = [block_size >> level for level in range(block_size.bit_length())]  # block_size, ..., 2, 1
-    buffers = [
-        _SCRATCH.get(f"amax{width}", (min(chunk, rows), blocks, width), torch.float32, matrix.device)
-        for width in widths[:-1]
-    ]
+    magnitude = _SCRATCH.get("magnitude", (min(chunk, rows), blocks, block_size), torch.float32, matrix.device)
+    out_bits = out.view(torch.int32)
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
-        level = buffers[0][: r1 - r0]
-        torch.abs(matrix[r0:r1].view(r1 - r0, blocks, block_size), out=level)
-        for buffer, half in zip(buffers[1:], widths[1:-1]):
-            torch.maximum(level[..., :half], level[..., half:], out=buffer[: r1 - r0])
-            level = buffer[: r1 - r0]
-        torch.maximum(level[..., 0], level[..., 1], out=out[r0:r1])
+        level = torch.abs(matrix[r0:r1].view(r1 - r0, blocks, block_size), out=magnitude[: r1 - r0])
+        torch.amax(level.view(torch.int32), dim=-1, out=out_bits[r0:r1])
     return out
 
 
-def _block_scales(matrix: Tensor, block_2d: bool) -> _BlockScales:
+def _block_scales(matrix: Tensor, block_2d: bool, group_rows: list[int] | None = None) -> _BlockScales:
+    """Block scales of ``matrix``, with one tensor scale, or one per run of ``group_rows`` rows: the same
+    fp32 operations per element, on each row's group's S_enc and S_dec."""
     block_amax = _block_amax(matrix)
     if block_2d:
         block_amax = _tile_amax(block_amax)
-    amax = block_amax.max() if block_amax.numel() else matrix.new_zeros(())
-    _check_finite(amax, "NVFP4 quantize")
-    s_enc, s_dec = global_scales(amax)
-    scale = e4m3_round(torch.clamp(block_amax * (s_enc * _RCP6.to(matrix.device)), max=E4M3_MAX))
-    encode = torch.clamp(torch.reciprocal(scale * s_dec), max=FLT_MAX)
-    return _BlockScales(amax=amax, s_dec=s_dec, scale=scale, encode=encode)
+    if group_rows is None:
+        amax = block_amax.max() if block_amax.numel() else matrix.new_zeros(())
+        _check_finite(amax, "NVFP4 quantize")
+        s_enc, s_dec = global_scales(amax)
+        multiplier, row_s_dec, bounds = s_enc * _RCP6.to(matrix.device), s_dec, None
+    else:
+        bounds = [0]
+        for rows in group_rows:
+            bounds.append(bounds[-1] + rows)
+        zero = matrix.new_zeros(())
+        amax = torch.stack([block_amax[a:b].max() if b > a and block_amax.shape[1] else zero
+                            for a, b in zip(bounds[:-1], bounds[1:])])
+        _check_finite(amax.max() if amax.numel() else zero, "NVFP4 quantize")
+        s_enc, s_dec = global_scales(amax)
+        lengths = torch.tensor(group_rows, device=matrix.device)
+        multiplier, row_s_dec = (v.repeat_interleave(lengths, output_size=bounds[-1])[:, None]
+                                 for v in (s_enc * _RCP6.to(matrix.device), s_dec))
+    scale = e4m3_round(torch.clamp(block_amax * multiplier, max=E4M3_MAX))
+    encode = torch.clamp(torch.reciprocal(scale * row_s_dec), max=FLT_MAX)
+    return _BlockScales(amax=amax, s_dec=s_dec, scale=scale, encode=encode, group_bounds=bounds)
 
 
 def _round_chunk(
@@ -327,11 +360,17 @@ def _round_chunk(
         torch.floor(quotient, out=y)
         # Round up when u < frac: ceil(frac - u) is exactly that indicator (1, or 0 / -0), as a float in place.
         y.add_(quotient.sub_(y).sub_(uniform).ceil_()).mul_(spacing)
-    torch.copysign(y, x, out=y)
+    # copysign(y, x), zeros included; |y| already carries x's sign unless it is 0 (two integer passes beat
+    # torch.copysign on a CPU).
+    torch.bitwise_and(x.view(torch.int32), _SIGN_BIT, out=work)
+    y.view(torch.int32).bitwise_or_(work)
 
 
-def _round_matrix(matrix: Tensor, scales: _BlockScales, uniform: Tensor | None, emit) -> None:
-    """Round ``matrix`` chunk by chunk; ``emit(row0, row1, values)`` consumes each chunk's signed E2M1 values."""
+def _round_matrix(
+    matrix: Tensor, scales: _BlockScales, stochastic_rounding: bool, generator: torch.Generator | None, emit
+) -> None:
+    """Round ``matrix`` chunk by chunk; ``emit(row0, row1, values)`` consumes each chunk's signed E2M1 values.
+    Stochastic rounding draws each chunk's uniforms just before rounding it, so they stay in cache."""
     rows, cols = matrix.shape
     if matrix.numel() == 0:
         return
@@ -339,12 +378,16 @@ def _round_matrix(matrix: Tensor, scales: _BlockScales, uniform: Tensor | None, 
     n = min(chunk, rows)
     y = _SCRATCH.get("values", (n, cols), torch.float32, matrix.device)
     work = _SCRATCH.get("work", (n, cols), torch.int32, matrix.device)
-    spare = _SCRATCH.get("spare", (n, cols), torch.float32, matrix.device) if uniform is not None else None
+    if stochastic_rounding:
+        uniform = _SCRATCH.get("uniform", (n, cols), torch.float32, matrix.device)
+        spare = _SCRATCH.get("spare", (n, cols), torch.float32, matrix.device)
     for r0 in range(0, rows, chunk):
         r1 = min(rows, r0 + chunk)
         m = r1 - r0
-        u = uniform[r0:r1] if uniform is not None else None
-        _round_chunk(matrix[r0:r1], scales.encode[r0:r1], y[:m], work[:m], u, None if spare is None else spare[:m])
+        u = s = None
+        if stochastic_rounding:
+            u, s = torch.rand((m, cols), generator=generator, out=uniform[:m]), spare[:m]
+        _round_chunk(matrix[r0:r1], scales.encode[r0:r1], y[:m], work[:m], u, s)
         emit(r0, r1, y[:m])
 
 
@@ -375,7 +418,6 @@ def quantize(
     """Quantize ``x`` (fp32/bf16/fp16) to NVFP4 with 1x16 blocks along ``dim`` (or 16x16 tiles)."""
     matrix, d = _to_block_matrix(x, dim, block_2d, scratch=True)
     scales = _block_scales(matrix, block_2d)
-    uniform = _new_uniform(matrix, generator, scratch=True) if stochastic_rounding else None
     rows, cols = matrix.shape
     codes = torch.empty((rows, cols // 2), dtype=torch.uint8, device=x.device)
     n = min(rows, _chunk_rows(matrix)) if codes.numel() else 0
@@ -387,7 +429,7 @@ def quantize(
         m = r1 - r0
         _pack_values(values, half[:m], lo[:m], hi[:m], codes[r0:r1])
 
-    _round_matrix(matrix, scales, uniform, emit)
+    _round_matrix(matrix, scales, stochastic_rounding, generator, emit)
     return NVFP4Quantized(
         codes=codes,
         scales=scales.scale.to(torch.float8_e4m3fn).view(torch.uint8),  # exact: already E4M3 values
@@ -436,22 +478,39 @@ def fake_quantize(
     block_2d: bool = False,
     stochastic_rounding: bool = False,
     generator: torch.Generator | None = None,
+    group_rows: list[int] | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """``dequantize(quantize(x, ...))`` fused into one pass over the data; fp32, in x's shape."""
+    """``dequantize(quantize(x, ...))`` fused into one pass over the data; fp32, in x's shape.
+
+    ``group_rows`` splits the rows (all dims but ``dim``, in order) into consecutive groups that each get their
+    own tensor scale, exactly as if each group were quantized on its own (with 16x16 tiles, every group but the
+    last must have a multiple of 16 rows); the stochastic-rounding draws cover the whole padded matrix in row
+    order, i.e. the groups' draws one after another. This lets many small tensors (the experts of a grouped
+    GEMM) be quantized in one pass.
+
+    ``out``: a contiguous fp32 buffer with as many elements as the padded matrix (a reused one spares the
+    allocation); the result is then a view of it.
+    """
     matrix, d = _to_block_matrix(x, dim, block_2d, scratch=True)
-    scales = _block_scales(matrix, block_2d)
-    uniform = _new_uniform(matrix, generator, scratch=True) if stochastic_rounding else None
+    if group_rows is not None:
+        if sum(group_rows) != matrix.shape[0] or min(group_rows, default=0) < 0:
+            raise ValueError(f"group_rows {group_rows} must be non-negative and sum to the {matrix.shape[0]} rows")
+        if block_2d and any(rows % BLOCK_SIZE for rows in group_rows[:-1]):
+            raise ValueError(f"group_rows {group_rows}: with 16x16 tiles each group but the last needs a multiple "
+                             f"of {BLOCK_SIZE} rows")
+    scales = _block_scales(matrix, block_2d, group_rows)
     rows, cols = matrix.shape
-    out = torch.empty_like(matrix)
+    out = _output_matrix(matrix, out)
     blocks = cols // BLOCK_SIZE
 
     def emit(r0: int, r1: int, values: Tensor) -> None:
         o = out[r0:r1]
         shape = (r1 - r0, blocks, BLOCK_SIZE)
         torch.mul(values.view(shape), scales.scale[r0:r1, :, None], out=o.view(shape))  # exact: v * s_b
-        o.mul_(scales.s_dec)
+        scales.decode_(o, r0)
 
-    _round_matrix(matrix, scales, uniform, emit)
+    _round_matrix(matrix, scales, stochastic_rounding, generator, emit)
     return _from_block_matrix(out, x.shape, d)
 
 
