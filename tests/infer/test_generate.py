@@ -202,6 +202,22 @@ def test_generate_command_errors(tmp_path, small_config, capsys):
     assert "no such checkpoint directory" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x", "--top-p", "0"]) == 2
     assert "--top-p" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x", "--compile", "--speculative"]) == 2
+    assert "--compile applies to plain decoding" in capsys.readouterr().err
+
+
+def test_generate_command_compiled(tmp_path, small_config, tokenizer, capsys):
+    """`--compile` (speculative decoding off by itself) prints the plain greedy text."""
+    model = HybridLM(small_config(vocab_size=640)).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save(tmp_path / "ckpt")
+    args = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "def generate(model", "--max-tokens", "9",
+            "--temperature", "0"]
+    assert main(args + ["--no-speculative"]) == 0
+    plain = capsys.readouterr()
+    assert main(args + ["--compile"]) == 0
+    compiled = capsys.readouterr()
+    assert compiled.out == plain.out and "mean acceptance length" not in compiled.err
 
 
 # ---------------------------------------------------------------------------------------------------- engine

@@ -2,8 +2,9 @@
 
 - `ssd_chunked` (the Mamba-2 paper's chunked scan) vs `ssd_ref` (the naive per-token recurrence): outputs and
   final state, with and without an initial state, lengths that are and are not multiples of the chunk, in
-  float64 (agreement to rounding) and float32. The decoding scans too: `ssd_step_` (one token, state in place)
-  and `ssd_steps` (a few tokens, every state kept).
+  float64 (agreement to rounding) and float32. The decoding scans too: `ssd_step_` (one token, state in place),
+  `ssd_step` (one token, out of place, for the compiled decode step) and `ssd_steps` (a few tokens, every state
+  kept).
 - `grouped_mm` (torch's native grouped GEMM where it applies) and `grouped_mm_padded` (padded batched GEMM) vs
   `grouped_mm_ref` (a loop over experts), including experts that receive no rows, all rows on one expert, and no
   rows at all; and expert matrices stored transposed, as decoding lays them out.
@@ -20,7 +21,7 @@ import torch
 from hybridtron.ops import cross_entropy as cross_entropy_module
 from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy, cross_entropy_ref
 from hybridtron.ops.grouped_mm import grouped_mm, grouped_mm_padded, grouped_mm_ref, native_applies
-from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step_, ssd_steps
+from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step, ssd_step_, ssd_steps
 
 # float64 agreement is limited by rounding alone; float32 by accumulating a few hundred terms of size ~1.
 SSD_TOLERANCE = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-4, atol=2e-5)}
@@ -97,13 +98,16 @@ def test_ssd_chunked_fp32_error_with_strong_decays():
 
 
 @pytest.mark.parametrize("batch, heads, groups", [(2, 4, 2), (1, 6, 3), (3, 8, 1)])
-def test_ssd_step_advances_the_state_in_place_as_the_recurrence(batch, heads, groups):
+def test_ssd_step_advances_the_state_as_the_recurrence(batch, heads, groups):
     x, a, B, C, initial = ssd_inputs(batch, 1, heads, 8, groups, 16, torch.float64, True)
     y_ref, final_ref = ssd_ref(x, a, B, C, initial_state_BHPN=initial)
     state = initial.clone()
     y = ssd_step_(state, x[:, 0], a[:, 0], B[:, 0], C[:, 0])
     torch.testing.assert_close(y, y_ref[:, 0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(state, final_ref, rtol=1e-12, atol=1e-12)
+    y_out, state_out = ssd_step(initial, x[:, 0], a[:, 0], B[:, 0], C[:, 0])  # out of place: initial unchanged
+    torch.testing.assert_close(y_out, y_ref[:, 0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state_out, final_ref, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -31,7 +31,7 @@ class HybridEngine:
 
     def __init__(self, model, tokenizer: Tokenizer, *, model_name: str, speculative: bool = True,
                  draft_length: int = DEFAULT_DRAFT_LENGTH, max_context: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, state_quant: str = "fp32"):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, state_quant: str = "fp32", compile: bool = False):
         config = model.config
         if tokenizer.vocab_size > config.vocab_size:
             raise ValueError(f"tokenizer.json has {tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -49,8 +49,10 @@ class HybridEngine:
         if self.speculative:
             check_drafter(model, draft_length)
         self.draft_length = draft_length
+        if compile and self.speculative:
+            raise ValueError("compile applies to plain decoding; turn speculative decoding off to compile")
         self.decoder_options = dict(max_context=self.max_context, prefill_chunk=prefill_chunk,
-                                    state_quant=state_quant)
+                                    state_quant=state_quant, compile=compile)
         self.end_token_ids = tuple(tokenizer.token_id(t) for t in (EOS, IM_END))
         self.last_stats: AcceptanceStats | None = None
 
@@ -97,11 +99,13 @@ class HybridEngine:
 
 def load_engine(model_dir: str | Path, speculative: bool = True, draft_length: int | None = None, *,
                 max_context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                state_quant: str = "fp32", dtype: torch.dtype | None = None) -> HybridEngine:
+                state_quant: str = "fp32", dtype: torch.dtype | None = None, compile: bool = False) -> HybridEngine:
     """The engine of a checkpoint directory (config.json, safetensors, tokenizer.json).
 
     `speculative`: draft with the MTP block when the model has one (on by default; a model without MTP decodes
-    plainly). `draft_length`: tokens drafted per verification step (default 3).
+    plainly). `draft_length`: tokens drafted per verification step (default 3). `compile`: plain decoding with a
+    compiled decode step (`hybridtron.infer.generate`; the first generation pays the compile); with `speculative`
+    left at None it turns speculative decoding off.
     """
     from hybridtron.model.lm import HybridLM
 
@@ -115,6 +119,7 @@ def load_engine(model_dir: str | Path, speculative: bool = True, draft_length: i
     tokenizer = Tokenizer.load(tokenizer_file)
     model = HybridLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype is not None else {}))
     return HybridEngine(model, tokenizer, model_name=model_dir.resolve().name,
-                        speculative=True if speculative is None else speculative,
+                        speculative=(not compile) if speculative is None else speculative,
                         draft_length=DEFAULT_DRAFT_LENGTH if draft_length is None else draft_length,
-                        max_context=max_context, prefill_chunk=prefill_chunk, state_quant=state_quant)
+                        max_context=max_context, prefill_chunk=prefill_chunk, state_quant=state_quant,
+                        compile=compile)

@@ -85,6 +85,9 @@ class SpeculativeDecoder(Decoder):
     def __init__(self, model, prompts: Sequence[Sequence[int]], params: SamplingParams, *, draft_length: int = 3,
                  **kwargs):
         check_drafter(model, draft_length)
+        if kwargs.get("compile"):
+            raise ValueError("compile: the compiled decode step is for plain decoding (a verification forward has "
+                             "a different number of tokens at every step); decode without speculative drafts")
         self.draft_length = draft_length
         self.stats = AcceptanceStats(draft_length)
         # a verification writes k positions past the pending token

@@ -1,7 +1,8 @@
 """Causal grouped-query attention with no positional encoding (the Mamba layers carry position).
 
 With a `KVCache`, the new tokens' keys and values are written at each sequence's current length and the
-queries attend to everything cached so far (sequences of the batch may have different lengths).
+queries attend to everything cached so far (sequences of the batch may have different lengths). `static_step` is
+the one-token form for a compiled decode step: every shape is fixed by the preallocated cache.
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ class Attention(nn.Module):
             k, v, mask = write_and_read(kv, k, v, lengths)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+    def static_step(self, hidden_BD: torch.Tensor, kv: KVCache, lengths_B: torch.Tensor) -> torch.Tensor:
+        """One token per sequence, [B, D] -> [B, D], with shapes that never depend on the lengths (for a compiled
+        decode step): the new key and value are written at each row's length by tensor indexing, and the query
+        reads the whole preallocated cache with the positions past its length masked out. Nothing is read back
+        to Python, so one compiled graph serves every step; the cost is reading the unused tail of the cache."""
+        q, k, v = self.project(hidden_BD[:, None])  # [B, heads, 1, head_dim]
+        rows_B = torch.arange(hidden_BD.shape[0], device=hidden_BD.device)
+        kv.k_BHTD[rows_B, :, lengths_B] = k[:, :, 0].to(kv.k_BHTD.dtype)
+        kv.v_BHTD[rows_B, :, lengths_B] = v[:, :, 0].to(kv.v_BHTD.dtype)
+        visible_BT = torch.arange(kv.k_BHTD.shape[2], device=hidden_BD.device) <= lengths_B[:, None]
+        out = F.scaled_dot_product_attention(q, kv.k_BHTD.to(q.dtype), kv.v_BHTD.to(q.dtype),
+                                             attn_mask=visible_BT[:, None, None], enable_gqa=True)
+        return self.o_proj(out[:, :, 0].flatten(-2))
 
 
 def write_and_read(kv: KVCache, k_BHTD, v_BHTD, lengths: torch.Tensor):

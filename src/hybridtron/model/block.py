@@ -43,3 +43,14 @@ class Block(nn.Module):
 
     def forward(self, hidden_BTD: torch.Tensor, layer_cache=None, lengths=None) -> torch.Tensor:
         return hidden_BTD + run_mixer(self.kind, self.mixer, self.norm(hidden_BTD), layer_cache, lengths)
+
+    def static_step(self, hidden_BD: torch.Tensor, layer_cache=None, lengths_B=None) -> torch.Tensor:
+        """One token per sequence ([B, D]) with static shapes, for a compiled decode step (`HybridLM.decode_step`)."""
+        normed_BD = self.norm(hidden_BD)
+        if self.kind == ATTENTION:
+            return hidden_BD + self.mixer.static_step(normed_BD, layer_cache, lengths_B)
+        if self.kind == MAMBA:
+            return hidden_BD + self.mixer.static_step(normed_BD, layer_cache)
+        if self.kind == MOE:
+            return hidden_BD + self.mixer.static_step(normed_BD)
+        return hidden_BD + self.mixer(normed_BD)

@@ -145,6 +145,20 @@ class HybridLM(nn.Module):
                 out.loss = out.loss + self.config.mtp_loss_weight * torch.stack(out.mtp_losses).mean()
         return out
 
+    def decode_step(self, ids_B: torch.Tensor, cache) -> torch.Tensor:
+        """One token per sequence on a `HybridCache` -> next-token logits [B, V]; the cache is advanced in place.
+
+        The static-shape form of `forward(ids[:, None], cache=cache)`, for compiling (`torch.compile(fullgraph=True,
+        dynamic=False)`, see `hybridtron.infer.generate.Decoder`): every shape follows from the batch and the
+        cache's size, nothing is read back to Python and no branch depends on a value, so one graph serves every
+        step. The ids are not checked (that reads them back); decoders feed the model's own sampled tokens.
+        """
+        hidden_BD = self.backbone.embeddings(ids_B)
+        for layer, layer_cache in zip(self.backbone.layers, cache.layers):
+            hidden_BD = layer.static_step(hidden_BD, layer_cache, cache.lengths)
+        cache.lengths.add_(1)
+        return self.lm_head(self.backbone.norm_f(hidden_BD))
+
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor [batch, time], got {input_ids.dtype} "

@@ -8,9 +8,10 @@
     out = out_proj(w * GroupRMS(y * SiLU(z)))
 
 Prefill and training use the chunked scan (`ops.ssd.ssd_chunked`); decoding uses the one-token recurrence
-(`ops.ssd.ssd_step_`), and speculative verification the few-token scan that keeps every state (`ops.ssd.ssd_steps`).
-All three continue from a `MambaState` (last K-1 conv inputs, SSM state) when one is given, and leave theirs in it.
-The scan runs in fp32 whatever the activation dtype.
+(`ops.ssd.ssd_step_`; the compiled decode step its broadcast form `ops.ssd.ssd_step`), and speculative
+verification the few-token scan that keeps every state (`ops.ssd.ssd_steps`). All continue from a `MambaState`
+(last K-1 conv inputs, SSM state) when one is given, and leave theirs in it. The scan runs in fp32 whatever the
+activation dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch import nn
 from hybridtron.config import ModelConfig
 from hybridtron.infer.cache import MambaState
 from hybridtron.model.norm import GatedGroupRMSNorm
-from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step_, ssd_steps
+from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step, ssd_step_, ssd_steps
 
 CONV_TAPS_MAX_TOKENS = 16
 
@@ -120,18 +121,30 @@ class Mamba2Mixer(nn.Module):
         state.ssm_BHPN.copy_(ssm)
         return self.finish(y, x, z)
 
-    def step(self, hidden_B1D: torch.Tensor, state: MambaState) -> torch.Tensor:
-        """One token from a MambaState (decoding): `forward` in [batch, features] shapes, with fewer calls, and the
-        state advanced in place."""
-        z, xBC, dt_raw = self.split_projection(self.in_proj(hidden_B1D[:, 0]))
+    def step_inputs(self, hidden_BD: torch.Tensor, state: MambaState):
+        """One token's projection, conv (its window advanced in place) and discretization: (z, x, B, C, dt, A)."""
+        z, xBC, dt_raw = self.split_projection(self.in_proj(hidden_BD))
         window_BCK = torch.cat([state.conv_BCK.to(xBC.dtype), xBC[..., None]], dim=-1)
         state.conv_BCK.copy_(window_BCK[..., 1:])
         x, B, C = self.split_xbc(F.silu(self.causal_conv(window_BCK)[..., 0]))
-        dt, A = self.discretize(dt_raw)
+        return (z, x, B, C, *self.discretize(dt_raw))
+
+    def step(self, hidden_B1D: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """One token from a MambaState (decoding): `forward` in [batch, features] shapes, with fewer calls, and the
+        state advanced in place."""
+        z, x, B, C, dt, A = self.step_inputs(hidden_B1D[:, 0], state)
         ssm = self.initial_ssm(state)
         y = ssd_step_(ssm, x.float() * dt[..., None], dt * A, B.float(), C.float())
         state.ssm_BHPN.copy_(ssm)
         return self.finish(y, x, z)[:, None]
+
+    def static_step(self, hidden_BD: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """`step` on [B, D] for a compiled decode step: the SSM update as broadcast products (`ssd_step`), which the
+        compiler fuses into one pass over the state, then copied into the cache."""
+        z, x, B, C, dt, A = self.step_inputs(hidden_BD, state)
+        y, ssm = ssd_step(state.ssm_BHPN.float(), x.float() * dt[..., None], dt * A, B.float(), C.float())
+        state.ssm_BHPN.copy_(ssm)
+        return self.finish(y, x, z)
 
 
 def mamba2_mixer_ref(mixer: Mamba2Mixer, hidden_BTD: torch.Tensor,

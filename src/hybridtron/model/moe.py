@@ -9,6 +9,7 @@ Without `moe_latent_size` the latent projections are absent and the experts work
 weight and bias stay fp32 whatever the model dtype: the bias drifts to values near 2^6 where bf16 would erase the
 small differences that decide the selection. Each forward leaves its expert choices in `last_expert_ids`;
 `last_expert_counts` counts the tokens routed to each expert (the balancing update and MaxVio read it).
+`MoE.static_step` is the form for a compiled decode step: no kept choices, no shape that depends on them.
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ class RoutedExperts(nn.Module):
                 out_1L.addmm_(relu2(x_1L @ up_ELI[expert]), down_EIL[expert], alpha=weight)
         return out_SL
 
+    def forward_gathered(self, x_SL: torch.Tensor, expert_ids_SK: torch.Tensor,
+                         weights_SK: torch.Tensor) -> torch.Tensor:
+        """The experts of each (token, expert) pair read by index, with static shapes (for a compiled decode
+        step): no expert counts, no sorting, nothing read back to Python. Written as broadcast products and sums
+        so that the compiler turns each into one reduction that loads the chosen expert's weights in place (an
+        indirect load) instead of copying them out first."""
+        up_SKLI = self.up_proj.transpose(1, 2)[expert_ids_SK]
+        hidden_SKI = relu2((x_SL[:, None, :, None] * up_SKLI).sum(-2)) * weights_SK[..., None].to(x_SL.dtype)
+        down_SKIL = self.down_proj.transpose(1, 2)[expert_ids_SK]
+        return (hidden_SKI[..., None] * down_SKIL).sum((1, 2))
+
 
 def routed_experts_ref(experts: RoutedExperts, x_SL, expert_ids_SK, weights_SK) -> torch.Tensor:
     """The loop over experts that defines the result."""
@@ -144,6 +156,16 @@ class MoE(nn.Module):
         if self.latent:
             routed = self.fc2_latent_proj(routed)
         return (routed + self.shared_experts(x_SD)).view_as(hidden_BTD)
+
+    def static_step(self, x_SD: torch.Tensor) -> torch.Tensor:
+        """`forward` on [tokens, D] for a compiled decode step: the choices are not kept (`last_expert_ids` is a
+        side effect, and decoding never reads it) and the experts run by index (`RoutedExperts.forward_gathered`)."""
+        expert_ids, weights = self.gate(x_SD)
+        routed_in = self.fc1_latent_proj(x_SD) if self.latent else x_SD
+        routed = self.experts.forward_gathered(routed_in, expert_ids, weights)
+        if self.latent:
+            routed = self.fc2_latent_proj(routed)
+        return routed + self.shared_experts(x_SD)
 
 
 def moe_ref(moe: MoE, hidden_BTD: torch.Tensor) -> torch.Tensor:
