@@ -398,7 +398,7 @@ def test_client_disconnect_stops_the_generation(server, client):
 
 # ------------------------------------------------------------------------------------------ the command
 def test_serve_command_wires_the_engine(monkeypatch, tmp_path, capsys):
-    """`hybridtron serve` builds the engine with load_engine(dir, speculative, draft_length) and runs uvicorn."""
+    """`hybridtron serve` builds the engine with load_engine(dir, speculative, draft_length, compile), runs uvicorn."""
     import sys
     import types
 
@@ -407,18 +407,20 @@ def test_serve_command_wires_the_engine(monkeypatch, tmp_path, capsys):
     calls = {}
     fake_engine_module = types.ModuleType("hybridtron.infer.engine")
 
-    def load_engine(model_dir, speculative, draft_length):
-        calls["load"] = (model_dir, speculative, draft_length)
+    def load_engine(model_dir, speculative, draft_length, compile):
+        calls["load"] = (model_dir, speculative, draft_length, compile)
         return FakeEngine()
 
     fake_engine_module.load_engine = load_engine
     monkeypatch.setitem(sys.modules, "hybridtron.infer.engine", fake_engine_module)
     monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: calls.setdefault("run", (app, host, port)))
     assert main(["serve", "--model", str(tmp_path), "--port", "9123", "--no-speculative", "--draft-length", "5"]) == 0
-    assert calls["load"] == (str(tmp_path), False, 5)
+    assert calls["load"] == (str(tmp_path), False, 5, False)
     app, host, port = calls["run"]
     assert (host, port) == ("127.0.0.1", 9123) and app.state.engine.model_name == MODEL
-    assert main(["serve", "--model", str(tmp_path)]) == 0 and calls["load"] == (str(tmp_path), True, 3)
+    assert main(["serve", "--model", str(tmp_path)]) == 0 and calls["load"] == (str(tmp_path), True, 3, False)
+    assert main(["serve", "--model", str(tmp_path), "--compile"]) == 0
+    assert calls["load"] == (str(tmp_path), False, 3, True), "--compile decodes plainly"
 
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err

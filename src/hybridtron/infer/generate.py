@@ -24,9 +24,9 @@ greedy). The SSM state can be stored in lower precision (`state_quant`, see `hyb
 Compiled decoding (`Decoder(compile=True)`, `hybridtron generate --compile`; what gpt-fast and SGLang's
 `--enable-torch-compile` do): eager decoding of a small model spends most of a token in the dispatch of ~1000
 small aten calls, the rest in matrix-vector products; `torch.compile` fuses the work between the products into a
-few C++ loops (1 thread, bench/decode.py: `tiny` 1.0 -> 0.32-0.42 ms/token, bench22m 3.4 -> 2.6-2.8, where
-bench22m's 32000 x 256 lm_head alone reads 33 MB a token). The compiled function is `HybridLM.decode_step`, the static-shape form of a one-token
-forward: attention reads the whole preallocated KV cache under a mask built from `cache.lengths` and writes at
+few C++ loops (1 thread, bench/decode.py: `tiny` 1.0 -> 0.32-0.42 ms/token, bench22m 3.4 -> 2.6-2.9, where
+bench22m's 32000 x 256 lm_head alone reads 33 MB a token). The compiled function is `HybridLM.decode_step`, the
+static-shape form of a one-token forward: attention reads the whole preallocated KV cache under a mask built from `cache.lengths` and writes at
 `lengths` by tensor indexing, the Mamba states are advanced in place, the routed experts are read by index.
 Why static shapes: a compiled graph is only reused while its guards hold; a shape that grew with the context, a
 length read back into Python or a branch on a value would recompile (seconds each) or break the graph back into

@@ -527,6 +527,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-speculative", action="store_true",
                         help="decode one token per forward instead of drafting with the MTP block")
     parser.add_argument("--draft-length", type=int, default=3, help="tokens the MTP block drafts per step")
+    parser.add_argument("--compile", action="store_true",
+                        help="plain decoding with the one-token step compiled by torch.compile (implies "
+                             "--no-speculative; the first request of each batch and cache size waits for a compile)")
 
 
 def run(args) -> int:
@@ -545,7 +548,8 @@ def run(args) -> int:
 
     from hybridtron.infer.engine import load_engine
 
-    engine = load_engine(args.model, speculative=not args.no_speculative, draft_length=args.draft_length)
+    engine = load_engine(args.model, speculative=not (args.no_speculative or args.compile),
+                         draft_length=args.draft_length, compile=args.compile)
     app = create_app(engine)
     print(f"hybridtron serve: {engine.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
