@@ -218,6 +218,7 @@ def test_generate_command_compiled(tmp_path, small_config, tokenizer, capsys):
     assert main(args + ["--compile"]) == 0
     compiled = capsys.readouterr()
     assert compiled.out == plain.out and "mean acceptance length" not in compiled.err
+    assert "including the one-time compile" in compiled.err
 
 
 # ---------------------------------------------------------------------------------------------------- engine

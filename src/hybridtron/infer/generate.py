@@ -457,6 +457,8 @@ def run(args) -> int:
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
     line = f"[{count} tokens in {elapsed:.2f}s, {count / max(elapsed, 1e-9):.1f} tokens/s"
+    if args.compile:
+        line += " including the one-time compile"
     stats = engine.last_stats
     if stats is not None and stats.steps:
         line += f"; speculative, draft length {stats.draft_length}: mean acceptance length " \
