@@ -28,8 +28,7 @@ Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Thre
 Each measurement is repeated, the variants of a section back to back in each repetition, and the tables report the
 fastest repetition: on a shared machine other processes only ever add time, so the minimum is the estimate least
 disturbed by them. On a busy machine even that is not enough: `--clock cpu --threads 1` times this process's own
-CPU time instead of the elapsed time (BENCHMARKS.md's numbers of 2026-11-29 were taken that way, on a 2-core
-machine running other jobs at a load of 6-10).
+CPU time instead of the elapsed time (BENCHMARKS.md's decode numbers were taken that way, 1 thread, CPU clock).
 
     python bench/decode.py                                   # sections hf, speculative, context; 2 threads, wall
     python bench/decode.py --clock cpu --threads 1 --trained /tmp/bench-model   # keep the trained model for reruns
