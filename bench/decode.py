@@ -53,16 +53,9 @@ from hybridtron.infer.state_quant import MODES
 from hybridtron.model.lm import HybridLM
 from hybridtron.post.mtp_boost import BoostConfig, boost_mtp
 
+import clock
+from clock import timed
 
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-clock = CLOCKS["wall"]
-
-
-def timed(fn) -> float:
-    start = clock()
-    fn()
-    return clock() - start
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -311,9 +304,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sections", nargs="+", default=["hf", "speculative", "context"],
                         choices=["hf", "speculative", "context", "drift"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall: elapsed time; cpu: this process's CPU time, which other processes on a busy "
-                             "machine do not inflate (use it with --threads 1: idle OpenMP workers spin on a CPU)")
+    clock.add_clock_argument(parser)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128, help="tokens decoded per speculative measurement")
     parser.add_argument("--hf-tokens", type=int, default=64, help="tokens decoded per transformers comparison")
@@ -325,8 +316,7 @@ def main(argv=None) -> None:
                         help="directory to keep the trained bench model in (reused by later runs when it is there)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    global clock
-    clock = CLOCKS[args.clock]
+    clock.select(args.clock)
     log = lambda line: print(line, flush=True)  # noqa: E731
     out = [f"torch {torch.__version__}, torch.set_num_threads({args.threads}), {args.clock} clock"]
     if "hf" in args.sections:

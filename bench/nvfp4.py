@@ -23,22 +23,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 
 import torch
 
 from hybridtron.numerics import nvfp4
 
+import clock
+from clock import timed
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-clock = CLOCKS["wall"]
-
-
-def _time(fn) -> float:
-    start = clock()
-    fn()
-    return clock() - start
 
 
 def _check_against_reference(x: torch.Tensor) -> None:
@@ -97,7 +90,7 @@ def bench_quantize(args: argparse.Namespace) -> None:
         fn()
     for _ in range(args.repeats):
         for name, fn in cases.items():
-            times[name].append(_time(fn))
+            times[name].append(timed(fn))
 
     print(f"\n{args.size}x{args.size} fp32, {torch.get_num_threads()} threads, {args.repeats} repetitions\n")
     print("| case | median ms | min ms |")
@@ -147,7 +140,7 @@ def bench_train_step(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {label: [] for label in steps}
     for _ in range(args.repeats):
         for label, step in steps.items():
-            times[label].append(_time(step))
+            times[label].append(timed(step))
 
     tokens = args.batch * args.seq
     base_autocast = statistics.median(times["bf16 autocast"])
@@ -177,9 +170,7 @@ SECTIONS = {"quantize": bench_quantize, "train_step": bench_train_step}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--section", choices=sorted(SECTIONS), action="append", help="run only these sections")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall: elapsed time (default); cpu: this process's CPU time, for a busy machine "
-                             "(with --threads 1; other jobs still slow it down through shared caches)")
+    clock.add_clock_argument(parser)
     parser.add_argument("--repeats", type=int, default=7, help="timed repetitions per case (default 7)")
     parser.add_argument("--size", type=int, default=4096, help="quantize: the tensor is size x size (default 4096)")
     parser.add_argument("--batch", type=int, default=8, help="train_step: sequences per step (default 8)")
@@ -197,8 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads < 1 or args.repeats < 1 or args.size < 16:
         parser.error("--threads and --repeats must be >= 1 and --size >= 16")
     torch.set_num_threads(args.threads)
-    global clock
-    clock = CLOCKS[args.clock]
+    clock.select(args.clock)
     print(f"torch {torch.__version__}, torch.set_num_threads({args.threads}), {args.clock} clock")
     for name in args.section or list(SECTIONS):
         print(f"## {name}: {SECTIONS[name].__doc__}")

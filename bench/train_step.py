@@ -20,13 +20,15 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
 from hybridtron.config import ModelConfig, bench22m
 from hybridtron.model.lm import HybridLM
+
+import clock
+from clock import timed
 
 
 @dataclass
@@ -87,25 +89,16 @@ def their_layer(kind: str, our_layer: torch.nn.Module, config: ModelConfig, expe
     return layer
 
 
-def interleaved_seconds(ours, theirs, repeats: int, clock, warmup: int = 1) -> tuple[list[float], list[float]]:
+def interleaved_seconds(ours, theirs, repeats: int, warmup: int = 1) -> tuple[list[float], list[float]]:
     """Each repetition times ours then theirs back to back, so slow moments of a shared machine hit both."""
     for _ in range(warmup):
         ours()
         theirs()
     ours_s, theirs_s = [], []
     for _ in range(repeats):
-        ours_s.append(timed(ours, clock))
-        theirs_s.append(timed(theirs, clock))
+        ours_s.append(timed(ours))
+        theirs_s.append(timed(theirs))
     return ours_s, theirs_s
-
-
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-def timed(fn, clock) -> float:
-    start = clock()
-    fn()
-    return clock() - start
 
 
 def model_step(model, ids, labels, hf: bool):
@@ -131,7 +124,7 @@ def check_same_function(ours, theirs, x, atol, what):
         raise RuntimeError(f"{what}: ours and transformers disagree by {difference:.3g} (> {atol}); not timing")
 
 
-def bench_model(config, batch, seq, repeats, clock, experts_implementation=None) -> Row:
+def bench_model(config, batch, seq, repeats, experts_implementation=None) -> Row:
     torch.manual_seed(0)
     ours = HybridLM(config).train()
     keep_dt_above_time_step_min(ours)
@@ -141,12 +134,12 @@ def bench_model(config, batch, seq, repeats, clock, experts_implementation=None)
                         "whole model")
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)  # ours takes shifted labels
     seconds = interleaved_seconds(model_step(ours, ids, labels, hf=False), model_step(theirs, ids, None, hf=True),
-                                  repeats, clock)
+                                  repeats)
     name = "whole model (bench22m)" + (f", transformers {experts_implementation}" if experts_implementation else "")
     return Row(name, batch * seq, *seconds)
 
 
-def bench_layer(kind, config, batch, seq, repeats, clock, experts_implementation=None) -> Row:
+def bench_layer(kind, config, batch, seq, repeats, experts_implementation=None) -> Row:
     torch.manual_seed(0)
     our_model = HybridLM(config.replace(layers_block_type=("linear_attention" if kind == "mamba" else "moe",)))
     ours = our_model.backbone.layers[0].mixer.train()
@@ -155,17 +148,17 @@ def bench_layer(kind, config, batch, seq, repeats, clock, experts_implementation
     x = torch.randn(batch, seq, config.hidden_size)
     check_same_function(ours, theirs, x[:1, :128], 1e-5, f"{kind} layer")
     cotangent = torch.randn(batch, seq, config.hidden_size)
-    seconds = interleaved_seconds(layer_step(ours, x, cotangent), layer_step(theirs, x, cotangent), repeats, clock)
+    seconds = interleaved_seconds(layer_step(ours, x, cotangent), layer_step(theirs, x, cotangent), repeats)
     name = "Mamba-2 layer" if kind == "mamba" else f"LatentMoE layer, {config.n_routed_experts} experts"
     if experts_implementation:
         name += f", transformers {experts_implementation}"
     return Row(name, batch * seq, *seconds)
 
 
-def markdown(rows: list[Row], batch: int, seq: int, threads: int, clock: str) -> str:
+def markdown(rows: list[Row], batch: int, seq: int, threads: int, clock_name: str) -> str:
     load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" if hasattr(os, "getloadavg") else ""
     lines = [f"Forward + backward, fp32, batch {batch} x {seq}, torch.set_num_threads({threads}), "
-             f"torch {torch.__version__}, {clock} clock{load}; median of the repetitions.", "",
+             f"torch {torch.__version__}, {clock_name} clock{load}; median of the repetitions.", "",
              "| case | hybridtron ms | transformers ms | speedup | hybridtron tok/s | transformers tok/s |",
              "|---|---:|---:|---:|---:|---:|"]
     for row in rows:
@@ -181,16 +174,14 @@ def main(argv=None) -> list[Row]:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-eager", action="store_true", help="skip the rows with transformers' eager experts")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="cpu: this process's CPU time, steadier than wall time on a shared machine; only "
-                             "meaningful with --threads 1 (with more, waiting threads spin and count)")
+    clock.add_clock_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    clock = CLOCKS[args.clock]
+    clock.select(args.clock)
 
     config = bench22m()
     many_experts = config.replace(n_routed_experts=128)
-    shape = (args.batch, args.seq, args.repeats, clock)
+    shape = (args.batch, args.seq, args.repeats)
     rows = [bench_model(config, *shape)]
     if not args.no_eager:
         rows.append(bench_model(config, *shape, "eager"))
