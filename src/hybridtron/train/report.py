@@ -212,6 +212,18 @@ def _event_lines(axes, data: RunData) -> None:
             axes.axvline(event["step"], color=color, alpha=0.35, linewidth=1)
 
 
+def _finish_log_plot(axes, data: RunData, empty_note: str, ylabel: str, legend_loc: str, legend_columns: int) -> None:
+    """A log-scale line plot over steps with the run's events marked, or `empty_note` when nothing was drawn."""
+    if not axes.lines:
+        _note(axes, empty_note)
+        return
+    axes.set_yscale("log")
+    _event_lines(axes, data)
+    axes.set_xlabel("step")
+    axes.set_ylabel(ylabel)
+    axes.legend(loc=legend_loc, fontsize=7, ncol=legend_columns)
+
+
 def _note(axes, text: str) -> None:
     axes.text(0.5, 0.5, text, ha="center", va="center", transform=axes.transAxes, fontsize=11, color="#555555")
     axes.set_xticks([])
@@ -254,14 +266,7 @@ def plot_grad_norms(data: RunData) -> str:
         steps, values = data.steps(key)
         if steps:
             axes.plot(steps, values, color=color, linewidth=1.4, label=key)
-    if not axes.lines:
-        _note(axes, "no gradient norms logged yet")
-    else:
-        axes.set_yscale("log")
-        _event_lines(axes, data)
-        axes.set_xlabel("step")
-        axes.set_ylabel("L2 norm (before clipping)")
-        axes.legend(loc="upper right", fontsize=7, ncol=4)
+    _finish_log_plot(axes, data, "no gradient norms logged yet", "L2 norm (before clipping)", "upper right", 4)
     return _png(plt, figure)
 
 
@@ -296,14 +301,8 @@ def plot_residual(data: RunData) -> str:
         steps, values = data.steps(key)
         axes.plot(steps, values, ".-", linewidth=1, markersize=3, label=f"layer {key.split('/')[1]}",
                   color=plt.cm.plasma(index / max(len(keys) - 1, 1)))
-    if not keys:
-        _note(axes, "no residual RMS sampled yet (monitor.residual_every)")
-    else:
-        axes.set_yscale("log")
-        _event_lines(axes, data)
-        axes.set_xlabel("step")
-        axes.set_ylabel("residual stream RMS")
-        axes.legend(loc="upper left", fontsize=7, ncol=6)
+    _finish_log_plot(axes, data, "no residual RMS sampled yet (monitor.residual_every)", "residual stream RMS",
+                     "upper left", 6)
     return _png(plt, figure)
 
 
