@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from hybridtron.checkpoint import load_pretrained, save_pretrained
 from hybridtron.config import ATTENTION, MAMBA, ModelConfig, bench22m, parse_pattern, tiny
 from hybridtron.infer.cache import state_quant_drift
 from hybridtron.infer.generate import Decoder, generate
@@ -77,8 +78,8 @@ def bench_against_transformers(name: str, config: ModelConfig, tokens: int, repe
     ours = HybridLM(config).eval()
     keep_dt_above_time_step_min(ours)
     with tempfile.TemporaryDirectory() as directory:
-        ours.save_pretrained(directory)
-        ours = HybridLM.from_pretrained(directory).eval()
+        save_pretrained(ours, directory)
+        ours = load_pretrained(directory).eval()
         theirs = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     prompt = torch.randint(3, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
 
@@ -181,7 +182,7 @@ def decode_seconds(model, prompt: list[int], params: SamplingParams, draft_lengt
 def trained_bench_model(args, log) -> tuple[HybridLM, str]:
     """The speculative section's model, trained and boosted here (or loaded from `--trained` if it is there)."""
     if args.trained and (Path(args.trained) / "config.json").is_file():
-        model = HybridLM.from_pretrained(args.trained).eval()
+        model = load_pretrained(args.trained).eval()
         record = (Path(args.trained) / "bench_model.txt").read_text()
         return model, record + f" Loaded from {args.trained}."
     config = bench_model_config()
@@ -203,7 +204,7 @@ def trained_bench_model(args, log) -> tuple[HybridLM, str]:
               f"({boosted_s:.0f}s; boosting loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}; greedy "
               f"acceptance length at k = 7 {result.acceptance_before:.2f} -> {result.acceptance_after:.2f}).")
     if args.trained:
-        model.save_pretrained(args.trained)
+        save_pretrained(model, args.trained)
         (Path(args.trained) / "bench_model.txt").write_text(record)
     return model, record
 

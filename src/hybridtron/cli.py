@@ -15,12 +15,13 @@ from hybridtron.errors import RunStopped
 COMMANDS = {
     "pretrain": ("hybridtron.train.pretrain", "train a hybrid model from scratch on a bucketed data mixture"),
     "precision": ("hybridtron.numerics.policy", "show which module runs in which number format, and FLOP shares"),
-    "branch": ("hybridtron.numerics.branch", "continue a checkpoint in NVFP4 and in BF16; report the loss gap"),
+    "branch": ("hybridtron.experiments.branch", "continue a checkpoint in NVFP4 and in BF16; report the loss gap"),
     "report": ("hybridtron.train.report", "write an HTML stability report of a run (works while it runs)"),
     "generate": ("hybridtron.infer.generate", "generate text from a checkpoint, streaming to the terminal"),
     "serve": ("hybridtron.infer.server", "serve a checkpoint with an OpenAI-compatible HTTP API"),
     "memory": ("hybridtron.infer.memory", "KV cache and Mamba state memory of a model at a context and batch"),
     "mtp-boost": ("hybridtron.post.mtp_boost", "train only the MTP block to raise speculative acceptance"),
+    "plan": ("hybridtron.dist.plan", "rank parallel layouts (DP, TP, PP, CP, EP) by memory and step time"),
 }
 
 

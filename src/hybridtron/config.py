@@ -25,6 +25,11 @@ PATTERN_CHAR_TO_KIND = {"M": MAMBA, "*": ATTENTION, "E": MOE, "-": MLP}
 KIND_TO_PATTERN_CHAR = {v: k for k, v in PATTERN_CHAR_TO_KIND.items()}
 LEGACY_KIND_NAMES = {"mamba": MAMBA, "attention": ATTENTION}
 
+# transformers' prefill clamps dt at config.time_step_min (see ModelConfig.to_hf); an HF export moves the init value
+# aside and writes the smallest normal fp32 there, where the clamp changes nothing.
+INIT_TIME_STEP_MIN_KEY = "hybridtron_init_time_step_min"
+TRANSFORMERS_DT_CLAMP = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
+
 # Older NVIDIA configs spell some Mamba fields with a `mamba_` prefix.
 MAMBA_ALIASES = {
     "mamba_n_groups": "n_groups",
@@ -266,6 +271,8 @@ class ModelConfig:
                                       for v in raw["time_step_limit"]]
         if isinstance(raw.get("eos_token_id"), list):
             raw["eos_token_id"] = raw["eos_token_id"][0]
+        if INIT_TIME_STEP_MIN_KEY in raw:  # an HF export: time_step_min there is transformers' dt clamp
+            raw["time_step_min"] = raw.pop(INIT_TIME_STEP_MIN_KEY)
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in known}
         unknown = sorted(k for k in raw if k not in known and k not in IGNORED_HF_KEYS)
@@ -275,12 +282,23 @@ class ModelConfig:
             kwargs["tie_word_embeddings"] = False  # transformers never ties nemotron_h; neither do we
         return cls(**kwargs)
 
-    def to_hf(self) -> dict[str, Any]:
-        """The config.json that transformers' NemotronHConfig (and NVIDIA's checkpoints) use."""
+    def to_hf(self, *, export: bool = False) -> dict[str, Any]:
+        """The config.json that transformers' NemotronHConfig (and NVIDIA's checkpoints) use.
+
+        `export`: the config.json of a checkpoint published for other readers. Every `nemotron_h` reader but one
+        computes dt = softplus(.) clamped to `time_step_limit` = (0, inf): vLLM, Megatron (mamba_ssm's kernels),
+        NVIDIA's reference code, transformers' own one-token decode step, and hybridtron. transformers' prefill
+        alone clamps at `time_step_min` (an init hyperparameter everywhere else), so a trained model whose dt falls
+        below it gives other logits there. The export therefore writes the smallest normal fp32 as
+        `time_step_min` (transformers' clamp then changes nothing but denormals) and keeps the init value under
+        `hybridtron_init_time_step_min`, which `from_hf` restores."""
         out: dict[str, Any] = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h"}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
+        if export:
+            out[INIT_TIME_STEP_MIN_KEY] = self.time_step_min
+            out["time_step_min"] = TRANSFORMERS_DT_CLAMP
         out["time_step_limit"] = [self.time_step_limit[0], self.time_step_limit[1]]
         out["num_hidden_layers"] = self.num_hidden_layers
         out["hybrid_override_pattern"] = self.hybrid_override_pattern

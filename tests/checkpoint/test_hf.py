@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hybridtron.checkpoint.hf import INDEX_FILE, SINGLE_FILE, CheckpointError
+from hybridtron.checkpoint.hf import INDEX_FILE, SINGLE_FILE, CheckpointError, load_pretrained, save_pretrained
 from hybridtron.infer.cache import HybridCache
 from hybridtron.model.lm import HybridLM
 from hybridtron.model.mamba2 import Mamba2Mixer
@@ -129,7 +129,7 @@ def test_our_checkpoint_loads_in_transformers(small_config, name, tmp_path):
     ours = HybridLM(config)
     randomise_for_parity(ours.named_modules())
     # one config is written in small shards with an index, which transformers must read too
-    ours.save_pretrained(tmp_path, **({"max_shard_bytes": 40_000} if name == "latent_grouped_gqa" else {}))
+    save_pretrained(ours, tmp_path, **({"max_shard_bytes": 40_000} if name == "latent_grouped_gqa" else {}))
     if name == "latent_grouped_gqa":
         assert (tmp_path / INDEX_FILE).is_file() and len(list(tmp_path.glob("model-*.safetensors"))) > 2
     theirs = load_theirs(tmp_path)
@@ -150,7 +150,7 @@ def test_transformers_checkpoint_loads_here(small_config, name, tmp_path):
     theirs = transformers.NemotronHForCausalLM(hf_config)
     randomise_for_parity(theirs.named_modules())
     theirs.save_pretrained(tmp_path)
-    ours = HybridLM.from_pretrained(tmp_path)
+    ours = load_pretrained(tmp_path)
     assert ours.config == config.replace(num_nextn_predict_layers=0)
     assert_parity(ours, theirs, ours.config)
 
@@ -160,8 +160,8 @@ def test_round_trip_is_bit_exact_including_mtp(small_config, tmp_path):
     config = small_config()
     model = HybridLM(config)
     randomise_for_parity(model.named_modules())
-    model.save_pretrained(tmp_path)
-    loaded = HybridLM.from_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
+    loaded = load_pretrained(tmp_path)
     assert loaded.config == config
     original, restored = model.state_dict(), loaded.state_dict()
     assert original.keys() == restored.keys()
@@ -176,7 +176,7 @@ def test_round_trip_is_bit_exact_including_mtp(small_config, tmp_path):
 
 def test_on_disk_names_are_nvidias(small_config, tmp_path):
     config = small_config()
-    HybridLM(config).save_pretrained(tmp_path)
+    save_pretrained(HybridLM(config), tmp_path)
     with safe_open(tmp_path / SINGLE_FILE, framework="pt") as handle:
         names = set(handle.keys())
     expected_subset = {
@@ -203,30 +203,30 @@ def test_bf16_save_keeps_router_fp32(small_config, tmp_path):
     with torch.no_grad():
         for bias in model.router_biases():
             bias.copy_(64.0 + torch.arange(bias.numel()) * 1e-3)
-    model.save_pretrained(tmp_path, dtype=torch.bfloat16)
+    save_pretrained(model, tmp_path, dtype=torch.bfloat16)
     tensors = load_file(tmp_path / SINGLE_FILE)
     for name, tensor in tensors.items():
         router = name.endswith("gate.weight") or name.endswith("e_score_correction_bias")
         assert tensor.dtype == (torch.float32 if router else torch.bfloat16), name
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    loaded = HybridLM.from_pretrained(tmp_path)
+    loaded = load_pretrained(tmp_path)
     assert loaded.lm_head.weight.dtype == torch.bfloat16
     assert all(torch.equal(a, b) for a, b in zip(loaded.router_biases(), model.router_biases()))
-    assert HybridLM.from_pretrained(tmp_path, dtype=torch.float32).lm_head.weight.dtype == torch.float32
+    assert load_pretrained(tmp_path, dtype=torch.float32).lm_head.weight.dtype == torch.float32
 
 
 def test_sharded_round_trip_and_overwrite(small_config, tmp_path):
     model = HybridLM(small_config())
     target = tmp_path / "ckpt"
-    model.save_pretrained(target, max_shard_bytes=30_000)
+    save_pretrained(model, target, max_shard_bytes=30_000)
     index = json.loads((target / INDEX_FILE).read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 3 and shards == sorted(p.name for p in target.glob("model-*.safetensors"))
     assert set(index["weight_map"]) == set(load_all(target))
-    loaded = HybridLM.from_pretrained(target)
+    loaded = load_pretrained(target)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
     # saving again, unsharded, into the same directory leaves no stale shard or index behind
-    model.save_pretrained(target)
+    save_pretrained(model, target)
     assert sorted(p.name for p in target.iterdir()) == ["config.json", SINGLE_FILE]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging directories left
 
@@ -241,7 +241,7 @@ def load_all(directory):
 # ------------------------------------------------------------------------------------------ bad checkpoints
 @pytest.fixture
 def saved(small_config, tmp_path):
-    HybridLM(small_config()).save_pretrained(tmp_path)
+    save_pretrained(HybridLM(small_config()), tmp_path)
     return tmp_path
 
 
@@ -259,7 +259,7 @@ def test_missing_unexpected_and_misshaped_are_listed_together(saved):
         tensors["lm_head.weight"] = torch.zeros(3, 48)
     rewrite_weights(saved, edit)
     with pytest.raises(CheckpointError) as info:
-        HybridLM.from_pretrained(saved)
+        load_pretrained(saved)
     message = str(info.value)
     assert "missing (2): backbone.layers.1.mixer.k_proj.weight, backbone.norm_f.weight" in message
     assert "unexpected (1): backbone.layers.0.mixer.extra.weight" in message
@@ -272,49 +272,49 @@ def test_missing_expert_tensor_names_the_expert(saved):
     rewrite_weights(saved, lambda t: t.pop("backbone.layers.2.mixer.experts.5.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"layers.2.mixer.experts.up_proj: expert tensors missing for "
                                               r"experts \[5\]"):
-        HybridLM.from_pretrained(saved)
+        load_pretrained(saved)
 
 
 def test_checkpoint_without_mtp_hints_at_num_nextn_predict_layers(saved):
     """transformers drops mtp.* when it saves, but keeps num_nextn_predict_layers=1 in config.json."""
     rewrite_weights(saved, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("mtp.")]])
     with pytest.raises(CheckpointError, match=r"hint: the checkpoint has no MTP block .*num_nextn_predict_layers=0"):
-        HybridLM.from_pretrained(saved)
-    model = HybridLM.from_pretrained(saved, num_nextn_predict_layers=0)
+        load_pretrained(saved)
+    model = load_pretrained(saved, num_nextn_predict_layers=0)
     assert model.mtp is None
 
 
 def test_missing_shards_are_listed(small_config, tmp_path):
-    HybridLM(small_config()).save_pretrained(tmp_path, max_shard_bytes=30_000)
+    save_pretrained(HybridLM(small_config()), tmp_path, max_shard_bytes=30_000)
     shards = sorted(tmp_path.glob("model-*.safetensors"))
     shards[0].unlink()
     shards[2].unlink()
     with pytest.raises(FileNotFoundError, match=f"missing: {shards[0].name}, {shards[2].name}"):
-        HybridLM.from_pretrained(tmp_path)
+        load_pretrained(tmp_path)
 
 
 def test_invalid_index_json(small_config, tmp_path):
-    HybridLM(small_config()).save_pretrained(tmp_path, max_shard_bytes=30_000)
+    save_pretrained(HybridLM(small_config()), tmp_path, max_shard_bytes=30_000)
     (tmp_path / INDEX_FILE).write_text('{"weight_map": ')
     with pytest.raises(CheckpointError, match=r"model.safetensors.index.json: not a safetensors index"):
-        HybridLM.from_pretrained(tmp_path)
+        load_pretrained(tmp_path)
     (tmp_path / INDEX_FILE).write_text('{"metadata": {}}')
     with pytest.raises(CheckpointError, match=r"expected JSON with a 'weight_map'"):
-        HybridLM.from_pretrained(tmp_path)
+        load_pretrained(tmp_path)
 
 
 def test_missing_or_invalid_config_json(saved, tmp_path):
     (saved / "config.json").write_text("{")
     with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
-        HybridLM.from_pretrained(saved)
+        load_pretrained(saved)
     (saved / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="no config.json"):
-        HybridLM.from_pretrained(saved)
+        load_pretrained(saved)
 
 
 def test_missing_weights_or_directory(small_config, tmp_path):
     (tmp_path / "config.json").write_text(small_config().to_json())
     with pytest.raises(FileNotFoundError, match=f"neither {SINGLE_FILE} nor {INDEX_FILE}"):
-        HybridLM.from_pretrained(tmp_path)
+        load_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
-        HybridLM.from_pretrained(tmp_path / "nowhere")
+        load_pretrained(tmp_path / "nowhere")

@@ -10,7 +10,8 @@ import torch
 
 from hybridtron.data import DataConfig, build_data
 from hybridtron.data.loader import BLOCK
-from hybridtron.data.packing import IGNORE_INDEX, pack_rows, pack_rows_ref
+from hybridtron.data.packing import pack_rows, pack_rows_ref
+from hybridtron.ops.cross_entropy import IGNORE_INDEX
 
 LENGTHS = {"a": [3, 7, 1, 12, 5], "b": [40, 2, 9], "c": [4] * 20, "d": [25, 31]}
 

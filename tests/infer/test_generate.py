@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybridtron.cli import main
+from hybridtron.checkpoint import save_pretrained
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.infer.generate import Decoder, TextStream, generate, stream_text
 from hybridtron.infer.sampling import SamplingParams
@@ -177,7 +178,7 @@ def test_stream_text_of_a_decoder(small_config, tokenizer):
 def test_generate_command_streams_the_greedy_text(tmp_path, small_config, tokenizer, capsys):
     config = small_config(vocab_size=640, max_position_embeddings=64)
     model = HybridLM(config).eval()
-    model.save_pretrained(tmp_path / "ckpt")
+    save_pretrained(model, tmp_path / "ckpt")
     tokenizer.save(tmp_path / "ckpt")
     prompt = "def generate(model"
     args = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", prompt, "--max-tokens", "9",
@@ -195,7 +196,7 @@ def test_generate_command_streams_the_greedy_text(tmp_path, small_config, tokeni
 
 
 def test_generate_command_errors(tmp_path, small_config, capsys):
-    HybridLM(small_config()).save_pretrained(tmp_path / "ckpt")
+    save_pretrained(HybridLM(small_config()), tmp_path / "ckpt")
     assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x"]) == 2
     assert "tokenizer.json is missing" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
@@ -209,7 +210,7 @@ def test_generate_command_errors(tmp_path, small_config, capsys):
 def test_generate_command_compiled(tmp_path, small_config, tokenizer, capsys):
     """`--compile` (speculative decoding off by itself) prints the plain greedy text."""
     model = HybridLM(small_config(vocab_size=640)).eval()
-    model.save_pretrained(tmp_path / "ckpt")
+    save_pretrained(model, tmp_path / "ckpt")
     tokenizer.save(tmp_path / "ckpt")
     args = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "def generate(model", "--max-tokens", "9",
             "--temperature", "0"]
@@ -227,7 +228,7 @@ def checkpoint(tmp_path, small_config, tokenizer):
     config = small_config(vocab_size=640, max_position_embeddings=64)
     torch.manual_seed(0)
     model = HybridLM(config).eval()
-    model.save_pretrained(tmp_path / "ckpt")
+    save_pretrained(model, tmp_path / "ckpt")
     tokenizer.save(tmp_path / "ckpt")
     return tmp_path / "ckpt", model
 
@@ -258,7 +259,7 @@ def test_engine_chat_template_and_end_tokens(checkpoint):
     directory, _ = checkpoint
     engine = load_engine(directory)
     text = engine.chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert text == "<|bos|><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     ids = engine.encode(text)
     assert ids.count(engine.tokenizer.token_id("<|im_start|>")) == 3
     assert engine.end_token_ids == (2, 4)
@@ -269,7 +270,7 @@ def test_engine_chat_template_and_end_tokens(checkpoint):
 def test_engine_without_mtp_decodes_plainly(tmp_path, small_config, tokenizer):
     from hybridtron.infer.engine import load_engine
 
-    HybridLM(small_config(vocab_size=640, num_nextn_predict_layers=0)).save_pretrained(tmp_path / "plain")
+    save_pretrained(HybridLM(small_config(vocab_size=640, num_nextn_predict_layers=0)), tmp_path / "plain")
     tokenizer.save(tmp_path / "plain")
     engine = load_engine(tmp_path / "plain")  # speculative by default, but there is no MTP block to draft with
     assert not engine.speculative
@@ -286,7 +287,7 @@ def test_engine_rejects_a_bad_draft_length(checkpoint):
 def test_engine_rejects_a_tokenizer_larger_than_the_model(tmp_path, small_config, tokenizer):
     from hybridtron.infer.engine import load_engine
 
-    HybridLM(small_config(vocab_size=128)).save_pretrained(tmp_path / "small")
+    save_pretrained(HybridLM(small_config(vocab_size=128)), tmp_path / "small")
     tokenizer.save(tmp_path / "small")
     with pytest.raises(ValueError, match="vocab_size is 128"):
         load_engine(tmp_path / "small")

@@ -126,3 +126,47 @@ def test_expert_counts_sum_to_tokens_times_k(small_config):
     # the counts are those of the routing each layer just did
     for layer_counts, moe in zip(out.expert_counts, model.moe_layers()):
         assert torch.equal(layer_counts, moe.last_expert_counts)
+
+
+def test_every_router_is_named_and_balanced_mtp_included(small_config):
+    """`routers()` covers the backbone's MoE layers and the MTP block's; `router_biases()` follows it, so the
+    balancing update reaches the MTP router too (its bias once stayed 0 for a whole run)."""
+    config = small_config()
+    model = HybridLM(config)
+    routers = model.routers()
+    backbone = [str(i) for i, kind in enumerate(config.layers_block_type) if kind == "moe"]
+    assert list(routers) == backbone + ["mtp.1"]
+    assert routers["mtp.1"] is model.mtp.layers[1].mixer
+    assert [b.data_ptr() for b in model.router_biases()] == \
+        [moe.gate.e_score_correction_bias.data_ptr() for moe in routers.values()]
+
+
+def test_mtp_expert_counts_sum_over_the_shared_depths(small_config):
+    config = small_config()
+    model = HybridLM(config)
+    out = model(torch.randint(0, config.vocab_size, (3, 13)))
+    assert out.mtp_expert_counts.shape == (1, config.n_routed_experts)
+    assert int(out.mtp_expert_counts.sum()) == config.mtp_num_depths * 3 * 13 * config.num_experts_per_tok
+    assert model(torch.randint(0, config.vocab_size, (3, 13)), mtp=False).mtp_expert_counts is None
+
+
+def test_routing_replay_forces_the_experts_and_keeps_the_router_gradient(small_config):
+    """R3: given the experts a rollout chose, the forward uses them (not its own top-k) and takes the weights from
+    the current scores at those experts, so the router weight still gets a gradient through them."""
+    config = small_config()
+    model = HybridLM(config)
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    free = model(ids, mtp=False)
+    chosen = {name: moe.last_expert_ids.view(2, 9, -1).clone() for name, moe in model.routers().items()
+              if not name.startswith("mtp")}
+    replayed = model(ids, mtp=False, expert_ids=chosen)
+    assert torch.equal(replayed.logits, free.logits)  # replaying its own choices changes nothing
+    # force other experts in the first MoE layer: its choice is the forced one and the output changes
+    name = next(iter(chosen))
+    forced = {name: (chosen[name] + 1) % config.n_routed_experts}
+    out = model(ids, ids, mtp=False, expert_ids=forced)
+    moe = model.routers()[name]
+    assert torch.equal(moe.last_expert_ids, forced[name].view(18, -1))
+    assert not torch.allclose(out.logits, free.logits)
+    out.loss.backward()
+    assert moe.gate.weight.grad is not None and moe.gate.weight.grad.abs().sum() > 0

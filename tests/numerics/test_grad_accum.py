@@ -154,24 +154,24 @@ def test_mtp_contribution_survives_fp32_but_not_bf16(small_config):
 
 
 def test_trainer_uses_the_bf16_buffer_as_the_output_layer_gradient(small_config, tmp_path):
-    from hybridtron.checkpoint.dcp import CheckpointManager
     from hybridtron.train.config import TrainConfig
-    from hybridtron.train.hooks import Hook
     from hybridtron.train.loop import Trainer
-
-    class GradProbe(Hook):
-        def after_backward(self, trainer, metrics):
-            self.grad = trainer.model.lm_head.weight.grad.clone()
-            return True
+    from hybridtron.train.objectives import LoaderBatches, PretrainObjective
 
     torch.manual_seed(0)
     model = HybridLM(small_config())
     apply_output_grad_accumulation(model, "bf16")
     before = model.lm_head.weight.detach().clone()
-    probe, checkpoints = GradProbe(), CheckpointManager(tmp_path / "checkpoints")
     config = TrainConfig(steps=1, grad_accum=3, warmup_steps=1, grad_clip=0.0)
-    Trainer(model, iter(micro_batches(3, 2, 16, 128)), config, [probe], checkpoints).train()
-    checkpoints.close()
-    assert probe.grad.abs().max() > 0
-    assert torch.equal(probe.grad, probe.grad.bfloat16().float())  # it came out of the bf16 buffer
+    trainer = Trainer(model, PretrainObjective(), LoaderBatches(iter(micro_batches(3, 2, 16, 128)), 3), config,
+                      checkpoints=None)
+    seen = {}  # the gradient the optimizer steps with
+
+    def capture(optimizer, args, kwargs):
+        seen["grad"] = model.lm_head.weight.grad.clone()
+
+    trainer.optimizer.register_step_pre_hook(capture)
+    trainer.train()
+    assert seen["grad"].abs().max() > 0
+    assert torch.equal(seen["grad"], seen["grad"].bfloat16().float())  # it came out of the bf16 buffer
     assert not torch.equal(model.lm_head.weight, before) and model.lm_head.main_grad.abs().max() == 0

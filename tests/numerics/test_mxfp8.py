@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridtron.numerics import mxfp8, nvfp4
+from hybridtron.numerics import blocks, mxfp8
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -17,7 +17,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("chunk_elements", [None, 300])
 def test_fast_path_matches_reference(shape, dim, dtype, chunk_elements, monkeypatch):
     if chunk_elements is not None:  # many row chunks, the last one partial
-        monkeypatch.setattr(nvfp4, "_CHUNK_ELEMENTS", chunk_elements)
+        monkeypatch.setattr(blocks, "_CHUNK_ELEMENTS", chunk_elements)
     x = (torch.randn(shape) * 5).to(dtype)
     x.view(-1)[:40] = 0.0  # an all-zero block
     x.view(-1)[40:50] *= -1e-6

@@ -4,6 +4,8 @@ the model's contracts."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from hybridtron.numerics import (
 )
 from hybridtron.numerics import mxfp8, nvfp4
 from hybridtron.numerics.hadamard import random_hadamard_transform
+from hybridtron.numerics.linear import GeneratorSource, load_sr_generator_states, sr_generator_states
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -161,6 +164,86 @@ def test_quant_linear_layers_draw_independent_streams():
     assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
 
 
+def quantized_model() -> nn.ModuleDict:
+    """A QuantLinear and a module holding a quantized grouped matmul: the two owners of SR generators."""
+    torch.manual_seed(0)
+    experts = nn.Module()
+    experts.grouped_mm = quantized_grouped_mm(QuantRecipe(seed=2), seed_offset=1)
+    return nn.ModuleDict({"proj": QuantLinear.from_linear(nn.Linear(32, 24), QuantRecipe(seed=2)),
+                          "experts": experts})
+
+
+def sr_step(model: nn.ModuleDict, device) -> list[torch.Tensor]:
+    """One forward and backward through both quantized GEMMs; the gradients, which carry the SR draws."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 32, generator=gen).to(device).requires_grad_()
+    w = (torch.randn(3, 16, 32, generator=gen) / 8).to(device).requires_grad_()
+    y = torch.cat([model["proj"](x), model["experts"].grouped_mm(x, w, torch.tensor([7, 0, 13]))], dim=1)
+    model["proj"].weight.grad = None
+    y.backward(torch.randn(y.shape, generator=gen).to(device))
+    return [x.grad, w.grad, model["proj"].weight.grad]
+
+
+def through_a_checkpoint(states: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(states, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)  # plain data: a device name and a byte tensor per module
+
+
+def test_sr_generator_states_resume_the_stream_on_their_device():
+    model = quantized_model()
+    sr_step(model, "cpu")
+    states = through_a_checkpoint(sr_generator_states(model))
+    assert set(states) == {"proj", "experts.grouped_mm"}
+    assert [state["device"] for state in states.values()] == ["cpu", "cpu"]
+    resumed, fresh = quantized_model(), quantized_model()
+    load_sr_generator_states(resumed, states)
+    assert sr_generator_states(resumed)["proj"]["device"] == "cpu"  # the restored generator's own device
+    next_step, resumed_step, fresh_step = sr_step(model, "cpu"), sr_step(resumed, "cpu"), sr_step(fresh, "cpu")
+    for a, b in zip(next_step, resumed_step):
+        assert torch.equal(a, b)
+    assert not torch.equal(next_step[0], fresh_step[0])  # without the states the stream starts over
+
+
+def test_an_sr_state_from_a_device_this_process_lacks_is_a_clear_error():
+    model = quantized_model()
+    sr_step(model, "cpu")
+    states = sr_generator_states(model)
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (there is none on a CPU machine)
+    states["proj"] = {"device": missing, "state": states["proj"]["state"]}
+    with pytest.raises(ValueError, match=f"'proj'.*saved on {missing}, which this process does not have"):
+        load_sr_generator_states(quantized_model(), states)
+    with pytest.raises(ValueError, match="'device' and 'state'"):
+        GeneratorSource(0).set_state({"state": states["experts.grouped_mm"]["state"]})
+
+
+def test_a_bare_sr_state_is_a_cpu_generator_state():
+    """Checkpoints written before the device was recorded hold the CPU generator's state alone."""
+    cpu = torch.device("cpu")
+    source = GeneratorSource(seed=3)
+    torch.rand(5, generator=source(cpu))
+    restored = GeneratorSource(seed=99)
+    restored.set_state(source.get_state()["state"])
+    assert torch.equal(torch.rand(4, generator=restored(cpu)), torch.rand(4, generator=source(cpu)))
+    restored.set_state(None)
+    assert restored.get_state() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sr_generator_states_resume_the_stream_on_the_gpu():
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = quantized_model().to(device)
+    sr_step(model, device)
+    states = through_a_checkpoint(sr_generator_states(model))
+    assert [state["device"] for state in states.values()] == [str(device)] * 2
+    resumed = quantized_model().to(device)
+    load_sr_generator_states(resumed, states)
+    assert sr_generator_states(resumed)["proj"]["device"] == str(device)
+    for a, b in zip(sr_step(model, device), sr_step(resumed, device)):
+        assert torch.equal(a, b)
+
+
 def test_bf16_activations_keep_their_dtype():
     lin = nn.Linear(32, 16)
     q = QuantLinear.from_linear(lin, QuantRecipe())
@@ -239,10 +322,11 @@ def reference_expert_gemms(recipe: QuantRecipe, x, w, g, generator):
 @pytest.mark.parametrize("sizes", [[7, 0, 18, 5], [0, 30, 0, 0], [13, 1, 2, 14]])
 def test_grouped_mm_equals_reference_expert_gemms(name, dtype, sizes):
     """Every expert's three GEMMs equal the matmuls of its own operands from the reference quantizers; the SR
-    stream is drawn expert by expert, from the last one with rows to the first (each: dgrad, then wgrad)."""
+    stream is drawn expert by expert in expert order, skipping experts without rows (each: dgrad, then wgrad)."""
     recipe = GROUPED_RECIPES[name]
     gm = quantized_grouped_mm(recipe, seed_offset=4)
-    # 24 outputs and 72 inputs: not multiples of 16 (padding, and slices at unaligned addresses).
+    # 24 outputs and 72 inputs: not multiples of 16 (padding, and slices at unaligned addresses, where MKL picks
+    # the same summation order as for fresh tensors at these shapes; see linear.py's docstring).
     x = (torch.randn(30, 72) * 2).to(dtype).requires_grad_()
     w = (torch.randn(4, 24, 72) / 8).requires_grad_()
     g = torch.randn(30, 24).to(dtype)
@@ -254,35 +338,48 @@ def test_grouped_mm_equals_reference_expert_gemms(name, dtype, sizes):
     experts = [e for e, n in enumerate(sizes) if n]
     expected_y, expected_dx = torch.empty(30, 24, dtype=dtype), torch.empty(30, 72, dtype=dtype)
     expected_dw = torch.zeros(4, 24, 72)
-    for e in reversed(experts):
+    for e in experts:
         rows = slice(starts[e], starts[e + 1])
         y_e, dx_e, dw_e = reference_expert_gemms(recipe, x.detach()[rows], w.detach()[e], g[rows], generator)
         expected_y[rows], expected_dx[rows], expected_dw[e] = y_e, dx_e, dw_e
-    if len(experts) > 1:  # autograd summed the experts' slice gradients into zeros: -0 -> +0
-        expected_dx, expected_dw = expected_dx + 0.0, expected_dw + 0.0
     assert torch.equal(raw(y), raw(expected_y))
     assert torch.equal(raw(x.grad), raw(expected_dx))
     assert torch.equal(raw(w.grad), raw(expected_dw))
     if recipe.stochastic_rounding:
-        assert torch.equal(gm.sr_generators.get_state(), generator.get_state())
+        assert torch.equal(gm.sr_generators.get_state()["state"], generator.get_state())
 
 
-def per_expert_loop(recipe, sr_generators, stats, x, w, sizes):
-    """The grouped GEMM as it was written before the experts were batched: one emulated linear per expert with
-    rows, sharing the module's SR stream, outputs concatenated."""
-    outputs, start = [], 0
-    for expert, rows in enumerate(sizes):
-        if rows:
-            outputs.append(emulated_linear(x[start : start + rows], w[expert], None, recipe, sr_generators, stats))
-        start += rows
-    return torch.cat(outputs)
+def per_expert_mlp(recipe, sr_generators, stats, x, up, down, sizes, dy):
+    """The expert MLP ``down(relu(up(x))^2)`` as one emulated linear per expert with rows, all drawing from one
+    SR stream, backpropagating ``dy``: layer by layer from the output, each layer's experts in order (the
+    documented draw order). Returns y and the gradients of x, up and down."""
+    starts = torch.tensor([0] + sizes).cumsum(0).tolist()
+    experts = [e for e, n in enumerate(sizes) if n]
+    rows = {e: slice(starts[e], starts[e + 1]) for e in experts}
+    leaves, hidden, y = {}, {}, torch.empty(x.shape[0], down.shape[1])
+    for e in experts:
+        x_e, up_e, down_e = (t.detach().requires_grad_() for t in (x[rows[e]], up[e], down[e]))
+        hidden[e] = F.relu(emulated_linear(x_e, up_e, None, recipe, sr_generators, stats)) ** 2
+        hidden_e = hidden[e].detach().requires_grad_()
+        y_e = emulated_linear(hidden_e, down_e, None, recipe, sr_generators, stats)
+        y[rows[e]] = y_e.detach()
+        leaves[e] = (x_e, up_e, hidden_e, down_e, y_e)
+    d_hidden, d_down = {}, torch.zeros_like(down)
+    for e in experts:  # the down projection's backward, expert by expert
+        _, _, hidden_e, down_e, y_e = leaves[e]
+        d_hidden[e], d_down[e] = torch.autograd.grad(y_e, (hidden_e, down_e), dy[rows[e]])
+    d_x, d_up = torch.empty_like(x), torch.zeros_like(up)
+    for e in experts:  # then the up projection's
+        x_e, up_e, *_ = leaves[e]
+        d_x[rows[e]], d_up[e] = torch.autograd.grad(hidden[e], (x_e, up_e), d_hidden[e])
+    return y, d_x, d_up, d_down
 
 
 @pytest.mark.parametrize("name", list(GROUPED_RECIPES))
-def test_grouped_mm_continues_the_per_expert_loop_bit_for_bit(name):
+def test_grouped_mm_equals_the_per_expert_loop_bit_for_bit(name):
     """An up -> relu^2 -> down expert MLP through one grouped GEMM module (both GEMMs draw from its stream),
-    twice (the stream goes on): outputs, gradients, the stream and the underflow counts equal the per-expert
-    loop's."""
+    twice (the stream goes on): outputs, gradients, the stream and the underflow counts equal those of one
+    emulated linear per expert whose backward runs in expert order."""
     recipe = GROUPED_RECIPES[name]
     sizes = [9, 0, 33, 1, 21]
     x0 = torch.randn(64, 48)
@@ -292,22 +389,25 @@ def test_grouped_mm_continues_the_per_expert_loop_bit_for_bit(name):
         gm = quantized_grouped_mm(recipe, seed_offset=7)
         gm.stats.enabled = True
         x, up, down = (t.clone().requires_grad_() for t in (x0, w_up, w_down))
-        outputs = []
-        for _ in range(2):
+        outputs, grads = [], [None, None, None]
+        for step in range(2):
+            dy = torch.randn(64, 48, generator=torch.Generator().manual_seed(step))
             if batched:
                 y = gm(F.relu(gm(x, up, torch.tensor(sizes))) ** 2, down, torch.tensor(sizes))
+                y.backward(dy)
+                y, step_grads = y.detach(), (x.grad, up.grad, down.grad)
+                x.grad = up.grad = down.grad = None
             else:
-                hidden = per_expert_loop(recipe, gm.sr_generators, gm.stats, x, up, sizes)
-                y = per_expert_loop(recipe, gm.sr_generators, gm.stats, F.relu(hidden) ** 2, down, sizes)
-            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(len(outputs))))
-            outputs.append(y.detach())
+                y, *step_grads = per_expert_mlp(recipe, gm.sr_generators, gm.stats, x, up, down, sizes, dy)
+            outputs.append(y)
+            grads = [g if total is None else total + g for total, g in zip(grads, step_grads)]
         state = gm.sr_generators.get_state()
-        results.append((outputs, x.grad, up.grad, down.grad, state, gm.stats.input_zero_fraction,
-                        gm.stats.weight_zero_fraction))
-    (out_a, *grads_a, state_a, in_a, w_a), (out_b, *grads_b, state_b, in_b, w_b) = results
+        results.append((outputs, grads, state, gm.stats.input_zero_fraction, gm.stats.weight_zero_fraction))
+    (out_a, grads_a, state_a, in_a, w_a), (out_b, grads_b, state_b, in_b, w_b) = results
     for a, b in zip(out_a + grads_a, out_b + grads_b):
         assert torch.equal(raw(a), raw(b))
-    assert (state_a is None) == (state_b is None) and (state_a is None or torch.equal(state_a, state_b))
+    assert (state_a is None) == (state_b is None)
+    assert state_a is None or torch.equal(state_a["state"], state_b["state"])
     assert (in_a, w_a) == (in_b, w_b)
 
 

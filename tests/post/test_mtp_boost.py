@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hybridtron.cli import main
+from hybridtron.checkpoint import load_pretrained, save_pretrained
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.model.lm import HybridLM
 from hybridtron.post.mtp_boost import BoostConfig, boost_loss, boost_mtp, mtp_chain, mtp_chain_ref
@@ -89,7 +90,7 @@ def test_boosting_lowers_the_loss_and_raises_acceptance(small_config):
 
 def test_mtp_boost_command(tmp_path, small_config, capsys):
     config = small_config(vocab_size=640)
-    HybridLM(config).save_pretrained(tmp_path / "ckpt")
+    save_pretrained(HybridLM(config), tmp_path / "ckpt")
     Tokenizer.train(["def f(x):\n    return x + 1\n" * 50], 600).save(tmp_path / "ckpt")
     (tmp_path / "prompts.txt").write_text("def f(x):\nreturn x\n")
     out = tmp_path / "boosted"
@@ -100,8 +101,8 @@ def test_mtp_boost_command(tmp_path, small_config, capsys):
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
     record = json.loads((out / "mtp_boost.json").read_text())
     assert len(record["losses"]) == 3 and record["config"]["depths"] == 3
-    boosted = HybridLM.from_pretrained(out)
-    original = HybridLM.from_pretrained(tmp_path / "ckpt")
+    boosted = load_pretrained(out)
+    original = load_pretrained(tmp_path / "ckpt")
     assert torch.equal(boosted.lm_head.weight, original.lm_head.weight)
     assert not torch.equal(boosted.mtp.layers[0].eh_proj.weight, original.mtp.layers[0].eh_proj.weight)
     assert main(["mtp-boost", "--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "ckpt")]) == 2

@@ -19,11 +19,14 @@ from hybridtron.model.lm import HybridLM
 from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
 from hybridtron.train import hooks as H
 from hybridtron.train.config import RunConfig, TrainConfig, build_run_config
+from hybridtron.train.evaluate import ValidationLoss
 from hybridtron.train.loop import Trainer
 from hybridtron.train.monitor import (
-    DivergenceError, LossSpike, MaxVio, MonitorConfig, MtpLeads, NonFinite, ResidualSpread, StabilityMonitor,
-    WgradGrowth, group_norms, group_norms_ref, monitor_hooks, parameter_group, parse_faults,
+    DivergenceError, LossSpike, MaxVio, MonitorConfig, MtpLeads, NoMonitor, NonFinite, ResidualSpread,
+    StabilityMonitor, WgradGrowth, build_monitor, parse_faults,
 )
+from hybridtron.train.objectives import LoaderBatches, PretrainObjective
+from hybridtron.train.stats import StepStats, group_norms, group_norms_ref, parameter_group
 
 
 class ProgressionLoader:
@@ -52,28 +55,35 @@ class ProgressionLoader:
 
 
 def make_trainer(tmp_path, small_config, *, steps=40, checkpoint_every=10, monitor=None, train=None,
-                 model_config=None):
-    """A small model, the pretrain hook order (ExpertLoad, Validation, monitor hooks, logger, checkpoints,
-    Recovery last) and a quiet event stream."""
+                 model_config=None, hooks=()):
+    """A small model on a synthetic loader, validated and watched as pretraining is, with a quiet event stream."""
     model_config = model_config or small_config()
     model = HybridLM(model_config)
     config = TrainConfig(steps=steps, lr=3e-3, warmup_steps=5, checkpoint_every=checkpoint_every, val_every=1000,
                          maxvio_window=5, **(train or {}))
-    monitor = monitor or MonitorConfig(min_history=8, window=20, good_after=5)
-    loader = ProgressionLoader(model_config.vocab_size)
+    monitor_config = monitor or MonitorConfig(min_history=8, window=20, good_after=5)
+    batches = LoaderBatches(ProgressionLoader(model_config.vocab_size), config.grad_accum)
     val = [ProgressionLoader(model_config.vocab_size).__next__()]
-    logger = H.MetricsLogger(tmp_path)
-    stream = io.StringIO()
-    watch, recovery = monitor_hooks(monitor, tmp_path, model_config, stream=stream)
-    hooks = [H.ExpertLoad(config.maxvio_window), H.Validation(val, config.val_every), *watch, logger,
-             H.Checkpointing(checkpoint_every), *recovery]
-    trainer = Trainer(model, loader, config, hooks, CheckpointManager(tmp_path / "checkpoints", keep=10))
-    trainer.logger = logger
-    return trainer
+    monitor, faults = build_monitor(monitor_config, tmp_path, model_config, stream=io.StringIO())
+    if faults is not None:
+        batches = faults.wrap_batches(batches, model_config.vocab_size)
+    return Trainer(model, PretrainObjective(), batches, config, CheckpointManager(tmp_path / "checkpoints", keep=10),
+                   hooks=[H.MetricsLogger(tmp_path), *hooks], evaluators=[ValidationLoss(val, config.val_every)],
+                   monitor=monitor, faults=faults)
+
+
+class OnStepEnd(H.Hook):
+    """A hook that calls `fn(trainer, stats)` at the end of every step."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def on_step_end(self, trainer, stats, decision):
+        self.fn(trainer, stats)
 
 
 def stderr_of(trainer) -> str:
-    return trainer.hooks.find(StabilityMonitor).events.stream.getvalue()
+    return trainer.monitor.events.stream.getvalue()
 
 
 def lines(path):
@@ -105,13 +115,14 @@ def test_step_metrics_carry_every_signal_with_stable_keys(tmp_path, small_config
                            monitor=MonitorConfig(residual_every=5, update_ratio_every=5, min_history=8, window=20))
     trainer.train()
     records = {r["step"]: r for r in lines(tmp_path / "metrics.jsonl") if "loss" in r}
-    moe_layers = trainer.moe_layer_ids
+    moe_layers = [i for i, layer in enumerate(trainer.model.backbone.layers) if layer.kind == "moe"]
     n_layers = len(trainer.model.backbone.layers)
     for step, record in records.items():
         assert {f"wgrad_norm/layer.{i}" for i in range(n_layers)} <= record.keys()
         assert {"wgrad_norm/lm_head", "wgrad_norm/embeddings", "mtp_loss_1", "mtp_loss_2"} <= record.keys()
         assert {f"router_bias_spread/{i}" for i in moe_layers} <= record.keys()
         assert {f"maxvio/{i}" for i in moe_layers} <= record.keys()
+        assert {"maxvio/mtp.1", "router_bias_spread/mtp.1"} <= record.keys(), "the MTP router is watched too"
         sampled = step in (1, 5, 10)
         assert ({f"residual_rms/{i}" for i in range(n_layers)} <= record.keys()) == sampled, step
         assert ("update_ratio" in record) == (step in (5, 10)), step
@@ -256,8 +267,9 @@ def test_monitor_config_rejects_mistakes_by_name():
 
 
 def test_a_disabled_monitor_adds_no_hook(tmp_path, small_config):
-    run = build_run_config(overrides=["monitor.enabled=false"])
-    assert monitor_hooks(run.monitor, tmp_path, small_config()) == ([], [])
+    run = build_run_config(overrides=["monitor.enabled=false", "monitor.inject_fault=nan_grad@3"])
+    monitor, faults = build_monitor(run.monitor, tmp_path, small_config())
+    assert isinstance(monitor, NoMonitor) and faults is None
 
 
 def test_monitor_section_in_run_config(tmp_path):
@@ -275,11 +287,10 @@ def test_monitor_section_in_run_config(tmp_path):
 
 # ============================================================================================= responses
 def test_nan_gradient_is_skipped_and_the_weights_stay(tmp_path, small_config):
-    trainer = make_trainer(tmp_path, small_config, steps=12,
-                           monitor=MonitorConfig(min_history=8, window=20, inject_fault="nan_grad@9"))
     snapshots = {}
-    trainer.hooks.hooks.insert(0, type("Snap", (H.Hook,), {"on_step_end": lambda self, t, m: snapshots.__setitem__(
-        m["step"], t.model.lm_head.weight.detach().clone())})())
+    snap = OnStepEnd(lambda t, stats: snapshots.__setitem__(stats.step, t.model.lm_head.weight.detach().clone()))
+    trainer = make_trainer(tmp_path, small_config, steps=12, hooks=[snap],
+                           monitor=MonitorConfig(min_history=8, window=20, inject_fault="nan_grad@9"))
     trainer.train()
     records = {r["step"]: r for r in lines(tmp_path / "metrics.jsonl") if "loss" in r}
     assert records[9]["skipped"] is True and records[9]["events"] == ["nonfinite:skip"]
@@ -310,11 +321,11 @@ def test_rollback_restores_the_good_checkpoint_skips_the_window_and_keeps_every_
     assert [r["step"] for r in aside] == list(range(11, 18)) and all(r["rolled_back"] == 1 for r in aside)
     assert aside[-1]["rollback"] == 10
     # the data of steps 11..17 was never read again: 30 steps of training read 37 batches (one per step)
-    assert trainer.loader.state_dict()["position"] == 37
+    assert trainer.batches.state_dict()["position"] == 37
     # the LR after the rollback is half the schedule's
     after = {r["step"]: r for r in lines(tmp_path / "metrics.jsonl")}
     assert after[15]["lr"] == pytest.approx(0.5 * 3e-3)
-    assert trainer.hooks.find(StabilityMonitor).history["rollbacks"] == 1
+    assert trainer.monitor.history["rollbacks"] == 1
     # checkpoints: 0, 10, 20 and the final 30; every one loads; all but the newest marked GOOD
     manager = trainer.checkpoints
     assert [step_of(p) for p in manager.list()] == [0, 10, 20, 30]
@@ -355,10 +366,13 @@ def test_too_many_rollbacks_stop_the_run(tmp_path, small_config):
 def test_without_a_good_checkpoint_a_rollback_becomes_a_skip(tmp_path):
     config = MonitorConfig(on_nonfinite="rollback")
     monitor = StabilityMonitor(config, tmp_path, maxvio_bound=4.0, stream=io.StringIO())
-    trainer = SimpleNamespace(checkpoints=SimpleNamespace(latest=lambda good_only: None))
-    metrics = {"step": 3, "loss": float("nan"), "lm_loss": float("nan"), "grad_norm": 1.0}
-    assert monitor.after_backward(trainer, metrics) is False
-    assert metrics["skipped"] is True and "rollback" not in metrics and monitor.pending is None
+    trainer = SimpleNamespace(checkpoints=SimpleNamespace(latest=lambda good_only: None), model=None,
+                              config=TrainConfig())
+    stats = StepStats(step=3, lr=1e-3, losses={"loss": float("nan"), "lm_loss": float("nan")}, tokens=0,
+                      expert_counts={}, grad_norm=1.0)
+    monitor.signals = []  # judged on the losses alone
+    decision = monitor.judge(trainer, stats)
+    assert decision.action == "skip" and not decision.rolls_back and decision.target is None
     assert [e["action"] for e in lines(tmp_path / "events.jsonl")] == ["rollback", "skip"]
 
 
@@ -371,19 +385,20 @@ def test_bf16_grad_accum_switches_to_fp32_on_rollback_and_the_history_survives_r
     trainer.train()
     assert trainer.config.grad_accum_dtype == "fp32"
     assert head.accum_dtype == "fp32" and head.main_grad.dtype == torch.float32 and trainer.model.lm_head is head
-    saved = trainer.hooks.find(StabilityMonitor).state_dict()
+    saved = trainer.monitor.state_dict()
     resumed = make_trainer(tmp_path / "again", small_config, steps=20, monitor=monitor,
                            train={"grad_accum_dtype": "bf16"})
-    resumed.hooks.find(StabilityMonitor).load_state_dict(saved)
-    resumed.hooks.find(StabilityMonitor).apply_history(resumed)
-    assert resumed.config.grad_accum_dtype == "fp32" and saved["history"]["rollbacks"] == 1
+    apply_output_grad_accumulation(resumed.model, "bf16")
+    resumed.load_checkpoint(trainer.checkpoints.latest())  # the final checkpoint, written after the rollback
+    assert resumed.config.grad_accum_dtype == "fp32" and resumed.model.lm_head.accum_dtype == "fp32"
+    assert saved["history"]["rollbacks"] == 1 and resumed.monitor.history["rollbacks"] == 1
 
 
 def test_checkpoints_are_marked_good_only_after_good_after_steps(tmp_path, small_config):
-    trainer = make_trainer(tmp_path, small_config, steps=27, checkpoint_every=10,
-                           monitor=MonitorConfig(min_history=8, window=20, good_after=8))
     marks = {}
-    trainer.hooks.hooks.append(type("Marks", (H.Hook,), {"on_step_end": lambda self, t, m: marks.__setitem__(
-        m["step"], sorted(step_of(p) for p in t.checkpoints.list() if (p / GOOD).exists()))})())
+    mark = OnStepEnd(lambda t, stats: marks.__setitem__(
+        stats.step, sorted(step_of(p) for p in t.checkpoints.list() if (p / GOOD).exists())))
+    trainer = make_trainer(tmp_path, small_config, steps=27, checkpoint_every=10, hooks=[mark],
+                           monitor=MonitorConfig(min_history=8, window=20, good_after=8))
     trainer.train()
     assert marks[17] == [0] and marks[18] == [0, 10] and marks[27] == [0, 10]

@@ -74,11 +74,11 @@ def test_kill_9_then_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
 @pytest.mark.slow
 def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from hybridtron.model.lm import HybridLM
+    from hybridtron.checkpoint import load_pretrained
 
     out = tmp_path / "run"
     subprocess.run(pretrain_cmd(out, 3), env=run_env(tmp_path / "cache"), check=True, timeout=600)
-    ours = HybridLM.from_pretrained(out / "hf").eval()
+    ours = load_pretrained(out / "hf").eval()
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
     assert (out / "hf" / "tokenizer.json").is_file()
     ids = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(0))

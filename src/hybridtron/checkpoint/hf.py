@@ -71,7 +71,7 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
     shards.append(current)
 
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    config_dict = model.config.to_hf()
+    config_dict = model.config.to_hf(export=True)
     config_dict["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     (staging / "config.json").write_text(json.dumps(config_dict, indent=2))
     metadata = {"format": "pt"}

@@ -24,8 +24,8 @@ import torch
 
 from hybridtron.data.corpus import Document
 from hybridtron.data.tokenizer import Tokenizer
+from hybridtron.ops.cross_entropy import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 TOKENS_CACHE_VERSION = 1
 _ENCODE_CHUNK = 64  # documents per encode_batch call: bounds the Python lists alive at once
 

@@ -69,6 +69,7 @@ class Tokenizer:
             backend.add_special_tokens(missing)
             for token in missing:
                 self.special_ids[token] = backend.token_to_id(token)
+        self.appended_special_tokens = tuple(missing)  # ids past the vocabulary a model was trained with
 
     # ------------------------------------------------------------------------------------ construction
     @classmethod
@@ -186,7 +187,19 @@ def _tokenizer_file(path: str | os.PathLike) -> Path:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a crash never leaves a half-written cache entry."""
+    """Write via a temporary file and rename, so a crash never leaves a half-written file. The file gets the
+    permissions of a plain `open(path, "w")` (0o666 less the umask), not the temporary file's private 0o600."""
     with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as f:
         f.write(text)
+    os.chmod(f.name, 0o666 & ~_umask())
     os.replace(f.name, path)
+
+
+def _umask() -> int:
+    try:  # Linux reports it without changing it (os.umask would, for a moment, for every thread)
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask

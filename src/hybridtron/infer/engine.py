@@ -1,14 +1,15 @@
 """The serving engine: a checkpoint, its tokenizer and a decoder behind the `Engine` protocol of `server.py`.
 
-`load_engine(dir)` reads the model (`HybridLM.from_pretrained`) and `dir/tokenizer.json`. `stream(prompt_ids,
+`load_engine(dir)` reads the model (`hybridtron.checkpoint.load_pretrained`) and `dir/tokenizer.json`. `stream(prompt_ids,
 params)` yields generated token ids one at a time; with `speculative` (the default) and a model that has an MTP
 block, the MTP block drafts `draft_length` tokens per step and the stream yields every accepted token in order
 (the output is distributed exactly as plain decoding's, token for token under greedy decoding). A stream ends by
 itself at an end token (the tokenizer's eos, and <|im_end|> which closes a chat turn; neither is yielded) or when
 the context is full. `stream_text` adds detokenization and stop strings for the command line.
 
-Chat template: ChatML, the format of hybridtron's tokenizer (and of Nemotron's chat models):
-`<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then `<|im_start|>assistant\\n`.
+Chat template: `hybridtron.data.chat`, the one definition the trainers and the HF export share (ChatML with
+`<think>` reasoning: `<|bos|>`, `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message, then
+`<|im_start|>assistant\\n`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from hybridtron.data.tokenizer import EOS, IM_END, IM_START, Tokenizer
+from hybridtron.data.chat import render_chat, token_text
+from hybridtron.data.tokenizer import EOS, IM_END, Tokenizer
 from hybridtron.infer.generate import DEFAULT_PREFILL_CHUNK, make_decoder, stream_text
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.speculative import AcceptanceStats, check_drafter
@@ -63,10 +65,10 @@ class HybridEngine:
         return self.tokenizer.decode(ids)
 
     def chat_template(self, messages: list[dict[str, str]]) -> str:
-        if not messages:
-            raise ValueError("expected at least one message")
-        turns = [f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in messages]
-        return "".join(turns) + f"{IM_START}assistant\n"
+        """The prompt text of a conversation, ending in the assistant's generation prompt; ValueError names a
+        bad message's index and field."""
+        return render_chat(messages, add_generation_prompt=True,
+                           bos_token=token_text(self.tokenizer, self.tokenizer.bos_id)).text
 
     def _decoder(self, prompt_ids: Sequence[int], params: SamplingParams):
         # the end tokens stop the decoder too, so it never computes past the end of a sequence
@@ -107,7 +109,7 @@ def load_engine(model_dir: str | Path, speculative: bool = True, draft_length: i
     compiled decode step (`hybridtron.infer.generate`; the first generation pays the compile); with `speculative`
     left at None it turns speculative decoding off.
     """
-    from hybridtron.model.lm import HybridLM
+    from hybridtron.checkpoint.hf import load_pretrained
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -117,7 +119,7 @@ def load_engine(model_dir: str | Path, speculative: bool = True, draft_length: i
         raise ValueError(f"{tokenizer_file} is missing: the checkpoint directory must hold the tokenizer.json its "
                          f"model was trained with")
     tokenizer = Tokenizer.load(tokenizer_file)
-    model = HybridLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype is not None else {}))
+    model = load_pretrained(model_dir, **({"dtype": dtype} if dtype is not None else {}))
     return HybridEngine(model, tokenizer, model_name=model_dir.resolve().name,
                         speculative=(not compile) if speculative is None else speculative,
                         draft_length=DEFAULT_DRAFT_LENGTH if draft_length is None else draft_length,

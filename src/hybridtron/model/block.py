@@ -25,12 +25,15 @@ def build_mixer(kind: str, config: ModelConfig) -> nn.Module:
     raise ValueError(f"unknown layer kind {kind!r}")
 
 
-def run_mixer(kind: str, mixer: nn.Module, normed_BTD: torch.Tensor, layer_cache=None, lengths=None):
-    """Attention reads and writes a KV cache, Mamba its state; the MLP and MoE need neither."""
+def run_mixer(kind: str, mixer: nn.Module, normed_BTD: torch.Tensor, layer_cache=None, lengths=None,
+              expert_ids=None):
+    """Attention reads and writes a KV cache, Mamba its state; the MoE may replay given routing choices."""
     if layer_cache is not None and kind == ATTENTION:
         return mixer(normed_BTD, layer_cache, lengths)
     if layer_cache is not None and kind == MAMBA:
         return mixer(normed_BTD, layer_cache)
+    if expert_ids is not None and kind == MOE:
+        return mixer(normed_BTD, expert_ids=expert_ids)
     return mixer(normed_BTD)
 
 
@@ -41,8 +44,8 @@ class Block(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
         self.mixer = build_mixer(kind, config)
 
-    def forward(self, hidden_BTD: torch.Tensor, layer_cache=None, lengths=None) -> torch.Tensor:
-        return hidden_BTD + run_mixer(self.kind, self.mixer, self.norm(hidden_BTD), layer_cache, lengths)
+    def forward(self, hidden_BTD: torch.Tensor, layer_cache=None, lengths=None, expert_ids=None) -> torch.Tensor:
+        return hidden_BTD + run_mixer(self.kind, self.mixer, self.norm(hidden_BTD), layer_cache, lengths, expert_ids)
 
     def static_step(self, hidden_BD: torch.Tensor, layer_cache=None, lengths_B=None) -> torch.Tensor:
         """One token per sequence ([B, D]) with static shapes, for a compiled decode step (`HybridLM.decode_step`)."""

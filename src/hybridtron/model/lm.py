@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +23,7 @@ from hybridtron.model.mamba2 import Mamba2Mixer
 from hybridtron.model.moe import MoE, Router, RoutedExperts
 from hybridtron.model.mtp import MTPBlock
 from hybridtron.model.norm import GatedGroupRMSNorm, RMSNorm
-from hybridtron.ops.cross_entropy import cross_entropy as ops_cross_entropy
-
-IGNORE_INDEX = -100
+from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy as ops_cross_entropy
 
 
 @dataclass
@@ -37,7 +34,15 @@ class LMOutput:
     mtp_losses: list[torch.Tensor] = field(default_factory=list)
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
     expert_counts: torch.Tensor | None = None  # [backbone MoE layers, experts]
+    mtp_expert_counts: torch.Tensor | None = None  # [MoE layers of the MTP block, experts], summed over the depths
     hidden: torch.Tensor | None = None
+
+
+def _stacked_counts(layers: list[MoE]) -> torch.Tensor | None:
+    counts = [moe.last_expert_counts for moe in layers]
+    if not counts or any(c is None for c in counts):
+        return None
+    return torch.stack(counts)
 
 
 class Backbone(nn.Module):
@@ -110,14 +115,17 @@ class HybridLM(nn.Module):
 
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
-                mtp: bool = True) -> LMOutput:
-        """`cache`: decode into a `HybridCache` (no MTP logits, no expert counts)."""
+                mtp: bool = True, expert_ids: dict[str, torch.Tensor] | None = None) -> LMOutput:
+        """`cache`: decode into a `HybridCache` (no MTP logits, no expert counts). `expert_ids`: routing replay for
+        the backbone's MoE layers, {router name (`routers()`): chosen experts [B, T, k]}; a layer not named routes
+        itself (the MTP block always does)."""
         self._check_ids(input_ids)
         embeddings = self.backbone.embeddings(input_ids)
         hidden = embeddings
         if cache is None:
-            for layer in self.backbone.layers:
-                hidden = layer(hidden)
+            replay = expert_ids or {}
+            for index, layer in enumerate(self.backbone.layers):
+                hidden = layer(hidden, expert_ids=replay.get(str(index)))
         else:
             for layer, layer_cache in zip(self.backbone.layers, cache.layers):
                 hidden = layer(hidden, layer_cache, cache.lengths)
@@ -133,6 +141,10 @@ class HybridLM(nn.Module):
                 next_embedding = F.pad(embeddings[:, depth:], (0, 0, 0, depth))
                 previous = self.mtp(previous, next_embedding)
                 out.mtp_logits.append(self.lm_head(previous))
+                # the shared block routes once per depth: its routers balance over every token they saw
+                counts = _stacked_counts(self.mtp_moe_layers())
+                if counts is not None:
+                    out.mtp_expert_counts = counts if out.mtp_expert_counts is None else out.mtp_expert_counts + counts
 
         if labels is not None:
             if labels.shape != input_ids.shape:
@@ -170,16 +182,29 @@ class HybridLM(nn.Module):
 
     # ---------------------------------------------------------------------------------------- introspection
     def moe_layers(self) -> list[MoE]:
+        """The backbone's MoE layers, in order (the rows of `LMOutput.expert_counts`)."""
         return [layer.mixer for layer in self.backbone.layers if layer.kind == MOE]
 
+    def mtp_moe_layers(self) -> list[MoE]:
+        """The MoE layers of the MTP block (the rows of `LMOutput.mtp_expert_counts`)."""
+        if self.mtp is None:
+            return []
+        return [layer.mixer for layer in self.mtp.layers if layer.kind == MOE]
+
+    def routers(self) -> dict[str, MoE]:
+        """Every MoE layer with a router, by the name its signals are logged under: the backbone layer index
+        ("3"), then the MTP block's layer ("mtp.1"). Balancing and MaxVio cover all of them (as Megatron does)."""
+        named = {str(i): layer.mixer for i, layer in enumerate(self.backbone.layers) if layer.kind == MOE}
+        if self.mtp is not None:
+            named.update({f"mtp.{i}": layer.mixer for i, layer in enumerate(self.mtp.layers) if layer.kind == MOE})
+        return named
+
     def router_biases(self) -> list[torch.Tensor]:
-        return [moe.gate.e_score_correction_bias for moe in self.moe_layers()]
+        """The fp32 correction biases of every router, in `routers()` order."""
+        return [moe.gate.e_score_correction_bias for moe in self.routers().values()]
 
     def expert_counts(self) -> torch.Tensor | None:
-        counts = [moe.last_expert_counts for moe in self.moe_layers()]
-        if not counts or any(c is None for c in counts):
-            return None
-        return torch.stack(counts)
+        return _stacked_counts(self.moe_layers())
 
     def num_parameters(self, active: bool = False, include_mtp: bool = False) -> int:
         """Parameters of the backbone and lm_head (the MTP block apart). `active`: what one token uses: the top-k
@@ -197,16 +222,6 @@ class HybridLM(nn.Module):
                     count = count // self.config.n_routed_experts * self.config.num_experts_per_tok
             total += count
         return total
-
-    # --------------------------------------------------------------------------------------- checkpoints
-    def save_pretrained(self, directory: str | Path, **kwargs) -> None:
-        from hybridtron.checkpoint.hf import save_pretrained
-        save_pretrained(self, directory, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, **kwargs) -> "HybridLM":
-        from hybridtron.checkpoint.hf import load_pretrained
-        return load_pretrained(directory, **kwargs)
 
     @classmethod
     def on_meta(cls, config: ModelConfig) -> "HybridLM":

@@ -7,7 +7,9 @@
 
 Without `moe_latent_size` the latent projections are absent and the experts work at full width. The router's
 weight and bias stay fp32 whatever the model dtype: the bias drifts to values near 2^6 where bf16 would erase the
-small differences that decide the selection. Each forward leaves its expert choices in `last_expert_ids`;
+small differences that decide the selection. Routing replay (R3, for RL): a forward may be given the experts to use
+per token; the weights then come from the current scores at those experts. Each forward leaves its expert choices
+in `last_expert_ids`;
 `last_expert_counts` counts the tokens routed to each expert (the balancing update and MaxVio read it).
 `MoE.static_step` is the form for a compiled decode step: no kept choices, no shape that depends on them.
 """
@@ -20,6 +22,7 @@ from torch import nn
 
 from hybridtron.config import ModelConfig
 from hybridtron.model.mlp import MLP, relu2
+from hybridtron.ops.autocast import fp32_island
 from hybridtron.ops.grouped_mm import grouped_mm
 
 
@@ -44,21 +47,33 @@ class Router(nn.Module):
             self.e_score_correction_bias = bias32.to(self.e_score_correction_bias.device)
         return self
 
-    def forward(self, x_SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (expert ids [S, k], routing weights [S, k] fp32)."""
+    @fp32_island  # autocast would run the linear in bf16 even on fp32 inputs
+    def forward(self, x_SD: torch.Tensor, forced_ids_SK: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (expert ids [S, k], routing weights [S, k] fp32).
+
+        `forced_ids_SK`: routing replay (R3): use these experts instead of choosing, with the weights read from this
+        router's own current scores, so the router still gets its gradient."""
         scores = torch.sigmoid(F.linear(x_SD.float(), self.weight))
-        choice = scores + self.e_score_correction_bias
+        if forced_ids_SK is not None:
+            expert_ids = forced_ids_SK.to(device=scores.device, dtype=torch.long)
+        else:
+            expert_ids = self.choose(scores)
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return expert_ids, weights * self.routed_scaling_factor
+
+    def choose(self, scores_SE: torch.Tensor) -> torch.Tensor:
+        """Top-k of the biased scores, within the top `topk_group` groups when routing is group-limited."""
+        choice = scores_SE + self.e_score_correction_bias
         if self.topk_group < self.n_group:  # keeping every group would mask nothing
             grouped = choice.unflatten(-1, (self.n_group, -1))
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)
             kept_groups = group_scores.topk(self.topk_group, dim=-1).indices
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
             choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).flatten(-2)
-        expert_ids = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, expert_ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return expert_ids, weights * self.routed_scaling_factor
+        return choice.topk(self.top_k, dim=-1).indices
 
 
 class RoutedExperts(nn.Module):
@@ -143,14 +158,15 @@ class MoE(nn.Module):
             return None
         return torch.bincount(self.last_expert_ids.flatten(), minlength=self.gate.num_experts)
 
-    def route(self, x_SD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        expert_ids, weights = self.gate(x_SD)
+    def route(self, x_SD: torch.Tensor, forced_ids_SK: torch.Tensor | None = None):
+        expert_ids, weights = self.gate(x_SD, forced_ids_SK)
         self.last_expert_ids = expert_ids
         return expert_ids, weights
 
-    def forward(self, hidden_BTD: torch.Tensor, experts_fn=None) -> torch.Tensor:
+    def forward(self, hidden_BTD: torch.Tensor, experts_fn=None, expert_ids=None) -> torch.Tensor:
+        """`expert_ids` [..., k] (the leading shape of `hidden_BTD`): replay these routing choices (see Router)."""
         x_SD = hidden_BTD.flatten(0, -2)
-        expert_ids, weights = self.route(x_SD)
+        expert_ids, weights = self.route(x_SD, None if expert_ids is None else expert_ids.reshape(x_SD.shape[0], -1))
         routed_in = self.fc1_latent_proj(x_SD) if self.latent else x_SD
         routed = (experts_fn or self.experts)(routed_in, expert_ids, weights)
         if self.latent:

@@ -132,6 +132,14 @@ def apply_output_grad_accumulation(model: nn.Module, dtype: str) -> MainGradLine
     return model.lm_head
 
 
+def set_output_accumulation(model: nn.Module, dtype: str) -> None:
+    """Switch every MainGradLinear of the model to accumulate in `dtype` (a rollback's bf16 -> fp32 switch); between
+    optimizer steps, when the buffers are empty."""
+    for module in model.modules():
+        if isinstance(module, MainGradLinear) and module.accum_dtype != dtype:
+            module.set_accum_dtype(dtype)
+
+
 def flush_main_grads(model: nn.Module) -> None:
     """Before the optimizer step (after the last micro-batch): every main_grad becomes its weight's grad."""
     for module in model.modules():

@@ -28,10 +28,18 @@ replaces a RoutedExperts' grouped matmul (docs/MODEL_API.md contract).
 
 Grouped GEMMs: a linear and a RoutedExperts' grouped matmul run through one autograd Function, a linear as
 one group. Each expert's operands get their own tensor scales, as if it were a GEMM of its own, but all
-experts' operands are quantized together (few passes, no per-expert loop of small tensors). Stochastic
-rounding draws, for the experts from the last to the first, the dgrad operand's uniforms then the wgrad
-operand's: the order autograd ran the per-expert GEMMs' backward when each was a Function of its own, so the
-stream, and every bit of the result, are what they were then.
+experts' operands are quantized together (few passes, no per-expert loop of small tensors). Each expert's GEMM
+then multiplies views into the shared buffers: a BLAS may sum in another order at another address (MKL does,
+for some odd shapes), so a grouped GEMM equals per-expert GEMMs of the same operands to fp32 rounding, and bit
+for bit wherever the BLAS picks the same kernel.
+
+Stochastic-rounding draws: each quantized module (a QuantLinear, a quantized grouped matmul) has one generator,
+seeded ``recipe.seed + seed_offset``, made on the device of its gradients and checkpointed with that device
+(:func:`sr_generator_states`); every call of the module draws from it. A backward draws U[0, 1) values group by
+group in expert order 0..E-1 (experts without rows have no group): for the group's dgrad operand dY
+[rows, O padded to 16], then for its wgrad operand dY^T [O, tokens padded to 16] (after the RHT), each in row
+order. So a linear draws for dY, then dY^T; a grouped GEMM draws what one emulated linear per expert would if
+their backward ran in expert order. Across modules the order is autograd's, fixed for a given model.
 
 Underflow monitoring: every QuantLinear / quantized grouped matmul has ``stats`` (:class:`UnderflowStats`),
 off by default; when ``stats.enabled`` it keeps running counts of fprop operand values that were non-zero
@@ -48,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridtron.numerics import mxfp8, nvfp4
+from hybridtron.numerics.blocks import scratch
 from hybridtron.numerics.hadamard import RHT_SIZE, hadamard_chunks_
 
 FORMATS = ("nvfp4", "mxfp8", "bf16")
@@ -134,12 +143,6 @@ class UnderflowStats:
 # quantized together, in a few passes instead of a few per expert.
 # ----------------------------------------------------------------------------------------------------------
 
-# torch's CPU allocator aligns to 64 bytes. MKL's small-GEMM kernels round differently for operands that are not
-# 16-byte aligned, and the emulation multiplied fresh tensors before groups were batched, so every GEMM operand
-# or output that is a view into a shared buffer is kept 64-byte aligned (else copied) to give the same bits.
-_ALIGNMENT = 64
-
-
 @dataclass(frozen=True)
 class _Group:
     """Rows ``start:start + rows`` of X multiply weight[expert]."""
@@ -162,36 +165,25 @@ def _group_rows(rows: list[int]) -> list[int] | None:
     return rows if len(rows) > 1 else None
 
 
-def _is_aligned(t: Tensor) -> bool:
-    return t.data_ptr() % _ALIGNMENT == 0
-
-
-def _aligned(t: Tensor) -> Tensor:
-    """``t``, or a copy with the same strides at a fresh (aligned) address."""
-    if _is_aligned(t):
-        return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
-
-
 def _mm_into(a: Tensor, b: Tensor, out: Tensor) -> None:
     """``out <- a @ b``, accumulated in fp32 (then converted to out's dtype)."""
-    a, b = _aligned(a), _aligned(b)
-    if out.dtype == torch.float32 and out.is_contiguous() and _is_aligned(out):
+    if out.dtype == torch.float32 and out.is_contiguous():
         torch.mm(a, b, out=out)
     else:
         out.copy_(a @ b)
 
 
 def _scratch(name: str, shape: tuple[int, ...], like: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """A reused buffer (nvfp4's scratch: on a CPU, fresh memory's page faults cost more than the arithmetic) for
-    a temporary that never leaves one forward or backward call. A name must not be used twice in one call; in
-    use: forward x_q, w_q; backward dy, dy.q, dy.q.bf16, dgrad.q, staging, x, x.q, w_q."""
-    return nvfp4._SCRATCH.get(f"gemm.{name}", shape, dtype, like.device)
+    """A reused buffer (:func:`~hybridtron.numerics.blocks.scratch`: on a CPU, fresh memory's page faults cost
+    more than the arithmetic) for a temporary that never leaves one forward or backward call. A name must not be
+    used twice in one call; in use: forward x_q, w_q; backward dy, dy.q, dy.q.bf16, dgrad.q, staging, x, x.q,
+    w_q."""
+    return scratch(f"gemm.{name}", shape, dtype, like.device)
 
 
 def _matrices(name: str, shapes: list[tuple[int, int]], like: Tensor) -> tuple[Tensor, list[Tensor]]:
-    """A scratch buffer holding fp32 matrices of ``shapes`` back to back, and a view of each. Every shape used
-    here has a multiple of 16 elements, so every view is 64-byte aligned."""
+    """A scratch buffer holding fp32 matrices of ``shapes`` back to back (to be quantized in one pass), and a
+    view of each."""
     sizes = [rows * cols for rows, cols in shapes]
     flat = _scratch(name, (sum(sizes),), like)
     return flat, [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
@@ -292,17 +284,15 @@ def _nvfp4_gradient_operands(dy: Tensor, groups: tuple[_Group, ...], recipe: Qua
     """dY's operands of each group, quantized in one pass: dgrad [rows, O] (1x16 along O) and wgrad
     [O, tokens] (1x16 along tokens, after the RHT).
 
-    Stochastic rounding draws, group by group from the last to the first, the dgrad operand's padded matrix and
-    then the wgrad operand's: the order in which autograd ran the experts' backward when each expert was a GEMM
-    of its own, so that a stream goes on exactly as it did."""
+    The padded operands lie back to back in the order stochastic rounding draws for them (module docstring):
+    group by group in expert order, each group's dgrad operand, then its wgrad operand."""
     out_features = dy.shape[1]
     layout = []  # (group index, is dgrad, shape), in drawing order
-    for index in reversed(range(len(groups))):
-        rows = groups[index].rows
+    for index, group in enumerate(groups):
         if need_dgrad:
-            layout.append((index, True, (rows, _round_up(out_features, nvfp4.BLOCK_SIZE))))
+            layout.append((index, True, (group.rows, _round_up(out_features, nvfp4.BLOCK_SIZE))))
         if need_wgrad:
-            layout.append((index, False, (out_features, _round_up(rows, RHT_SIZE))))
+            layout.append((index, False, (out_features, _round_up(group.rows, RHT_SIZE))))
     shapes = [shape for _, _, shape in layout]
     flat, views = _matrices("dy", shapes, dy)
     for (index, is_dgrad, _), view in zip(layout, views):
@@ -344,7 +334,7 @@ def _gradient_operands(dy: Tensor, groups: tuple[_Group, ...], recipe: QuantReci
 
 
 def _weights_of(weight: Tensor, groups: tuple[_Group, ...]) -> Tensor:
-    """[G, O, K]: the weight of each group (only experts with rows are quantized, as before batching)."""
+    """[G, O, K]: the weight of each group (experts without rows take no part in the GEMMs)."""
     experts = [g.expert for g in groups]
     return weight if experts == list(range(weight.shape[0])) else weight[experts]
 
@@ -379,9 +369,6 @@ class _EmulatedGroupedLinear(torch.autograd.Function):
         groups: tuple[_Group, ...] = ctx.groups
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dgrad_dy, wgrad_dy = _gradient_operands(dy, groups, recipe, ctx.sampler, need_dx, need_dw)
-        # When each expert was a GEMM of its own, autograd summed the experts' slice gradients into zeros, which
-        # turns -0 into +0; adding +0 keeps those bits (and changes no other value).
-        several = len(groups) > 1
         dx = dw = None
         if need_dx:
             if w_q is None:
@@ -389,8 +376,6 @@ class _EmulatedGroupedLinear(torch.autograd.Function):
             dx = dy.new_empty((dy.shape[0], weight.shape[2]), dtype=ctx.x_dtype)
             for index, group in enumerate(groups):
                 _mm_into(dgrad_dy[index], w_q[index], dx[group.slice])
-            if several:
-                dx.add_(0.0)
         if need_dw:
             if recipe.format == "bf16":
                 wgrad_x = [x[g.slice] for g in groups]
@@ -400,16 +385,15 @@ class _EmulatedGroupedLinear(torch.autograd.Function):
             dw = weight.new_empty(weight.shape) if all_experts else weight.new_zeros(weight.shape)
             for index, group in enumerate(groups):
                 _mm_into(wgrad_dy[index], wgrad_x[index], dw[group.expert])
-            if several:
-                dw.add_(0.0)
         return dx, dw, None, None, None, None
 
 
 class GeneratorSource:
-    """One SR generator per (module, device), seeded with ``recipe.seed + seed_offset``; made on first use.
+    """The SR generator of one quantized module, seeded ``seed``: made on first use on the device of the
+    gradients (and made anew, seeded again, if they move to another device).
 
-    Its state is part of a training checkpoint (`sr_generator_states`), so a resumed run draws the same
-    stochastic-rounding noise as an uninterrupted one."""
+    Its state, with the device it lives on, is part of a training checkpoint (:func:`sr_generator_states`), so a
+    resumed run draws the same stochastic-rounding noise as an uninterrupted one, on a CPU or an accelerator."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -421,14 +405,40 @@ class GeneratorSource:
             self._generator.manual_seed(self.seed)
         return self._generator
 
-    def get_state(self) -> Tensor | None:
-        return None if self._generator is None else self._generator.get_state()
+    def get_state(self) -> dict | None:
+        """``{"device": "cuda:0", "state": uint8 CPU tensor}``; None before the first draw."""
+        if self._generator is None:
+            return None
+        return {"device": str(self._generator.device), "state": self._generator.get_state()}
 
-    def set_state(self, state: Tensor | None) -> None:
+    def set_state(self, state: dict | Tensor | None) -> None:
+        """Restore a :meth:`get_state` on the device it was saved from. A bare tensor (checkpoints written
+        before the device was recorded, which could only be restored on the CPU) is a CPU generator's state."""
         if state is None:
             self._generator = None
-        else:
-            self(torch.device("cpu")).set_state(state)
+            return
+        if isinstance(state, Tensor):
+            state = {"device": "cpu", "state": state}
+        if not isinstance(state, dict) or set(state) != {"device", "state"}:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"an SR generator state must be a dict with keys 'device' and 'state', got {got}")
+        generator = _new_generator(state["device"])
+        generator.set_state(state["state"])
+        self._generator = generator
+
+
+def _new_generator(device_name: str) -> torch.Generator:
+    """A generator on the device named ``device_name`` ("cpu", "cuda:1", ...), or a ValueError if this process
+    has no such device (torch would make a generator for a GPU index that does not exist)."""
+    unusable = ValueError(f"the SR generator was saved on {device_name}, which this process does not have; "
+                          "resume on the device the run was saved from")
+    try:
+        device = torch.device(device_name)
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise unusable
+        return torch.Generator(device=device)
+    except RuntimeError as error:
+        raise unusable from error
 
 
 def emulated_linear(
@@ -546,23 +556,31 @@ def quantized_grouped_mm(recipe: QuantRecipe, seed_offset: int = 0) -> Quantized
     return QuantizedGroupedMM(recipe, seed_offset)
 
 
-def sr_generator_states(model: nn.Module) -> dict[str, Tensor | None]:
-    """The stochastic-rounding generator state of every quantized GEMM under `model`, keyed by module name."""
-    states = {}
+def _generator_sources(model: nn.Module):
+    """(name, GeneratorSource) of every quantized GEMM under ``model``: QuantLinears by module name, the
+    grouped matmul of a module as ``<module name>.grouped_mm``."""
     for name, sub in model.named_modules():
         for key, candidate in ((name, sub), (f"{name}.grouped_mm", getattr(sub, "grouped_mm", None))):
             source = getattr(candidate, "sr_generators", None)
             if isinstance(source, GeneratorSource):
-                states[key] = source.get_state()
-    return states
+                yield key, source
 
 
-def load_sr_generator_states(model: nn.Module, states: dict[str, Tensor | None]) -> None:
-    for name, sub in model.named_modules():
-        for key, candidate in ((name, sub), (f"{name}.grouped_mm", getattr(sub, "grouped_mm", None))):
-            source = getattr(candidate, "sr_generators", None)
-            if isinstance(source, GeneratorSource) and key in states:
+def sr_generator_states(model: nn.Module) -> dict[str, dict | None]:
+    """The stochastic-rounding generator state of every quantized GEMM under ``model``, keyed by module name:
+    ``{"device": ..., "state": ...}`` (:meth:`GeneratorSource.get_state`), or None where nothing was drawn yet."""
+    return {key: source.get_state() for key, source in _generator_sources(model)}
+
+
+def load_sr_generator_states(model: nn.Module, states: dict[str, dict | Tensor | None]) -> None:
+    """Restore :func:`sr_generator_states` on the devices they were saved from (modules absent from ``states``
+    keep their generators)."""
+    for key, source in _generator_sources(model):
+        if key in states:
+            try:
                 source.set_state(states[key])
+            except ValueError as error:
+                raise ValueError(f"stochastic-rounding state of {key!r}: {error}") from error
 
 
 def set_underflow_tracking(module: nn.Module, enabled: bool = True, reset: bool = True) -> list[UnderflowStats]:

@@ -14,11 +14,11 @@ Against torchao's ``MXTensor.to_mx(..., scaling_mode=RCEIL)`` on CPU: torchao ta
 whose fp32 log2 can round a quotient a few ulps above a power of two down to the power itself (one binade
 off), and for scale byte 0 it multiplies by 1 instead of 2^127. Neither occurs on ordinary data.
 
-Layout as in :mod:`hybridtron.numerics.nvfp4`: rows are all dims but ``dim``, blocks run along ``dim``
-(zero-padded to a multiple of 32). ``data`` holds E4M3 bytes [rows, cols_padded], ``scales`` UE8M0 bytes
-[rows, cols_padded/32]. ``quantize``/``dequantize``/``fake_quantize`` work on cache-sized row chunks and use
-exact fp32 bit tricks (see :mod:`hybridtron.numerics.nvfp4`); the ``*_ref`` twins read the exponent from the
-fp32 bit fields, divide by ``torch.pow`` scales and use torch's float8 casts both ways.
+Layout: the block matrix of :mod:`hybridtron.numerics.blocks` (rows are all dims but ``dim``, blocks run
+along ``dim``, zero-padded to a multiple of 32). ``data`` holds E4M3 bytes [rows, cols_padded], ``scales``
+UE8M0 bytes [rows, cols_padded/32]. ``quantize``/``dequantize``/``fake_quantize`` work on its cache-sized row
+chunks and round with its exact fp32 E4M3 bit trick; the ``*_ref`` twins read the exponent from the fp32 bit
+fields, divide by ``torch.pow`` scales and use torch's float8 casts both ways.
 """
 
 from __future__ import annotations
@@ -28,18 +28,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hybridtron.numerics.nvfp4 import (
-    _SCRATCH,
+from hybridtron.numerics.blocks import (
     E4M3_MAX,
-    _block_amax,
-    _SIGN_BIT,
-    _check_finite,
-    _chunk_rows,
-    _e4m3_round_,
-    _from_block_matrix,
-    _output_matrix,
-    _to_block_matrix,
+    blockwise_amax,
+    check_finite,
     e4m3_from_bytes,
+    e4m3_round_,
+    from_block_matrix,
+    output_matrix,
+    restore_zero_signs_,
+    row_chunks,
+    scratch,
+    to_block_matrix,
 )
 
 BLOCK_SIZE = 32
@@ -73,18 +73,11 @@ def _pow2(exponent: Tensor) -> Tensor:
 
 def _blocks(x: Tensor, dim: int) -> tuple[Tensor, int, Tensor]:
     """(padded fp32 matrix, normalized dim, per-block scale exponents)."""
-    matrix, d = _to_block_matrix(x, dim, block_2d=False, block_size=BLOCK_SIZE, scratch=True)
-    block_amax = _block_amax(matrix, BLOCK_SIZE)
+    matrix, d = to_block_matrix(x, dim, BLOCK_SIZE, use_scratch=True)
+    block_amax = blockwise_amax(matrix, BLOCK_SIZE)
     if block_amax.numel():
-        _check_finite(block_amax.max(), "MXFP8 quantize")
+        check_finite(block_amax.max(), "MXFP8 quantize")
     return matrix, d, _scale_exponent(block_amax)
-
-
-def _chunks(matrix: Tensor):
-    """(row0, row1) pairs covering the matrix in cache-sized chunks."""
-    rows = matrix.shape[0]
-    step = _chunk_rows(matrix)
-    return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)] if matrix.numel() else []
 
 
 def quantize(x: Tensor, *, dim: int = -1) -> MXFP8Quantized:
@@ -93,7 +86,7 @@ def quantize(x: Tensor, *, dim: int = -1) -> MXFP8Quantized:
     rows, cols = matrix.shape
     data = torch.empty((rows, cols), dtype=torch.uint8, device=x.device)
     scale_inv = _pow2(-exponent)[:, :, None]
-    for r0, r1 in _chunks(matrix):
+    for r0, r1 in row_chunks(matrix):
         scaled = matrix[r0:r1].view(r1 - r0, -1, BLOCK_SIZE) * scale_inv[r0:r1]  # exact: a power of two
         data[r0:r1].view(torch.float8_e4m3fn).copy_(scaled.view(r1 - r0, cols))  # torch's cast is RNE
     return MXFP8Quantized(data=data, scales=(exponent + E8M0_BIAS).to(torch.uint8), shape=x.shape, dim=d)
@@ -104,10 +97,10 @@ def dequantize(q: MXFP8Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
     rows, cols = q.data.shape
     out = torch.empty((rows, cols), dtype=torch.float32, device=q.data.device)
     scale = _pow2(q.scales.to(torch.int32) - E8M0_BIAS)[:, :, None]
-    for r0, r1 in _chunks(out):
+    for r0, r1 in row_chunks(out):
         values = e4m3_from_bytes(q.data[r0:r1]).view(r1 - r0, -1, BLOCK_SIZE)
         torch.mul(values, scale[r0:r1], out=out[r0:r1].view(r1 - r0, -1, BLOCK_SIZE))
-    return _from_block_matrix(out, q.shape, q.dim).to(dtype)
+    return from_block_matrix(out, q.shape, q.dim).to(dtype)
 
 
 def fake_quantize(x: Tensor, *, dim: int = -1, out: Tensor | None = None) -> Tensor:
@@ -115,31 +108,29 @@ def fake_quantize(x: Tensor, *, dim: int = -1, out: Tensor | None = None) -> Ten
     :func:`hybridtron.numerics.nvfp4.fake_quantize`."""
     matrix, d, exponent = _blocks(x, dim)
     rows, cols = matrix.shape
-    out = _output_matrix(matrix, out)
+    out = output_matrix(matrix, out)
     scale, scale_inv = _pow2(exponent)[:, :, None], _pow2(-exponent)[:, :, None]
-    chunks = _chunks(matrix)
-    work = _SCRATCH.get("work", (chunks[0][1], cols), torch.int32, x.device) if chunks else None
+    chunks = row_chunks(matrix)
+    work = scratch("work", (chunks[0][1], cols), torch.int32, x.device) if chunks else None
     for r0, r1 in chunks:
         x_blocks = matrix[r0:r1].view(r1 - r0, -1, BLOCK_SIZE)
         y = out[r0:r1].view(r1 - r0, -1, BLOCK_SIZE)
         torch.mul(x_blocks, scale_inv[r0:r1], out=y)
         chunk_work = work[: r1 - r0].view(y.shape)
-        _e4m3_round_(y, chunk_work)  # |y| <= 448 by the choice of scale
-        # copysign(y, x): -0 for small negatives, as the cast gives (two integer passes beat torch.copysign)
-        torch.bitwise_and(x_blocks.view(torch.int32), _SIGN_BIT, out=chunk_work)
-        y.view(torch.int32).bitwise_or_(chunk_work)
+        e4m3_round_(y, chunk_work)  # |y| <= 448 by the choice of scale
+        restore_zero_signs_(y, x_blocks, chunk_work)  # -0 for small negatives, as the cast gives
         y.mul_(scale[r0:r1])
-    return _from_block_matrix(out, x.shape, d)
+    return from_block_matrix(out, x.shape, d)
 
 
 def quantize_ref(x: Tensor, *, dim: int = -1) -> MXFP8Quantized:
     """Reference twin of :func:`quantize`: exponent from the fp32 bit fields, torch's float8 cast."""
-    matrix, d = _to_block_matrix(x, dim, block_2d=False, block_size=BLOCK_SIZE)
+    matrix, d = to_block_matrix(x, dim, BLOCK_SIZE)
     rows, cols = matrix.shape
     blocks = matrix.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
     block_amax = blocks.abs().amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:2])
     if block_amax.numel():
-        _check_finite(block_amax.max(), "MXFP8 quantize")
+        check_finite(block_amax.max(), "MXFP8 quantize")
     quotient_bits = (block_amax / E4M3_MAX).view(torch.int32).long()
     biased_exponent, fraction = quotient_bits >> 23, quotient_bits & 0x7FFFFF
     # ceil(log2(q)) for normal q: exponent, plus one unless q is a power of two. Subnormal or zero q
@@ -165,7 +156,7 @@ def dequantize_ref(q: MXFP8Quantized, dtype: torch.dtype = torch.float32) -> Ten
     rows = q.data.shape[0]
     values = q.data.view(torch.float8_e4m3fn).to(torch.float32).view(rows, -1, BLOCK_SIZE)
     scale = torch.pow(2.0, q.scales.double() - E8M0_BIAS).float()
-    return _from_block_matrix((values * scale[:, :, None]).view(rows, -1), q.shape, q.dim).to(dtype)
+    return from_block_matrix((values * scale[:, :, None]).view(rows, -1), q.shape, q.dim).to(dtype)
 
 
 def fake_quantize_ref(x: Tensor, *, dim: int = -1) -> Tensor:

@@ -11,10 +11,10 @@ Recipe (TE's reference quantizer ``NVFP4QuantizerRef`` and its CUDA kernels, arX
     x_hat = (e2m1_value(q_i) * s_b) * S_dec
 
 Each step is one fp32 IEEE operation, in the order of TE's reference quantizer. Two details
-follow TE's code rather than the shorthand of docs/SPEC-nvfp4.md: the block scale multiplies by
-``S_enc * fp32(1/6)`` (TE folds the 1/6 into the global multiplier) and a tiny amax whose ``448*6/amax``
-overflows gives ``S_enc = FLT_MAX`` (TE's ``fminf``), not 1. The sign of a value that rounds to zero is kept
-(code 8 is -0), as the hardware conversion and torchao do.
+follow TE's code rather than the usual shorthand (``s_b = block_amax * S_enc / 6``, ``S_enc = 1`` when
+``448*6/amax`` is not finite): the block scale multiplies by ``S_enc * fp32(1/6)`` (TE folds the 1/6 into the
+global multiplier) and a tiny amax whose ``448*6/amax`` overflows gives ``S_enc = FLT_MAX`` (TE's ``fminf``).
+The sign of a value that rounds to zero is kept (code 8 is -0), as the hardware conversion and torchao do.
 
 Element E2M1: code = sign<<3 | index, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; two codes per byte with element
 2j in the low nibble. Blocks are 16 consecutive elements along ``dim`` (1x16), or 16x16 tiles of a matrix
@@ -27,8 +27,8 @@ Stochastic rounding rounds |y| up to the next E2M1 value with probability equal 
 
 Non-finite input has no defined hardware behaviour, so it is rejected with a ValueError.
 
-Layout: the tensor is viewed as a matrix whose rows are all other dims (in order, after moving ``dim`` last)
-and whose columns run along ``dim``. ``codes`` is uint8 [rows, cols_padded/2], ``scales`` uint8
+Layout: the block matrix of :mod:`hybridtron.numerics.blocks` (rows are all other dims, in order, after
+moving ``dim`` last; columns run along ``dim``). ``codes`` is uint8 [rows, cols_padded/2], ``scales`` uint8
 [rows, cols_padded/16] holding E4M3 bytes.
 
 Against torchao's ``NVFP4Tensor`` (with ``per_tensor_scale = pts = amax/2688``): torchao floors block
@@ -39,41 +39,49 @@ Gaussian fp32 data about 1 code in 10^7 and no scale byte; on bf16 data, whose c
 points far more often, up to ~0.1% of codes and ~0.3% of scale bytes, depending on amax. torchao dequantizes
 with ``pts * s_b`` rounded first (TE's chain: ``(v * s_b) * S_dec``), so values can differ in the last bit.
 
-Fast path vs reference: ``quantize``/``dequantize``/``fake_quantize`` are vectorized, chunked over rows into
-reused cache-sized buffers (stochastic rounding draws each chunk's uniforms as it rounds it: the same stream),
-take block maxima over the integer bits of |x|, and round with exact fp32 bit tricks (magic-number addition
-for RNE, fp16 subnormals to map E2M1/E4M3 values to their codes, the sign bit copied with integer ops).
-``fake_quantize(..., group_rows=...)`` quantizes consecutive row groups with a tensor scale each, as if each
-were a tensor of its own (the experts of a grouped GEMM in one pass). ``quantize_ref``/``dequantize_ref``/
-``fake_quantize_ref`` spell the chain out with TE's threshold table and torch's float8 cast; the tests require
-the two to agree bit for bit.
+Fast path vs reference: ``quantize``/``dequantize``/``fake_quantize`` are vectorized over the row chunks of
+:mod:`hybridtron.numerics.blocks` in reused scratch buffers (stochastic rounding draws each chunk's uniforms as
+it rounds it: the same stream), take block maxima over the integer bits of |x|, and round with exact fp32 bit
+tricks (magic-number addition for RNE, fp16 subnormals to map E2M1/E4M3 values to their codes, the sign bit
+copied with integer ops). ``fake_quantize(..., group_rows=...)`` quantizes consecutive row groups with a
+tensor scale each, as if each were a tensor of its own (the experts of a grouped GEMM in one pass).
+``quantize_ref``/``dequantize_ref``/``fake_quantize_ref`` spell the chain out with TE's threshold table and
+torch's float8 cast; the tests require the two to agree bit for bit.
 """
 
 from __future__ import annotations
 
-import math
-import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridtron.numerics.blocks import (
+    E4M3_MAX,
+    FP32_EXPONENT_MASK,
+    blockwise_amax,
+    check_finite,
+    chunk_rows,
+    e4m3_from_bytes,
+    e4m3_round,
+    from_block_matrix,
+    output_matrix,
+    restore_zero_signs_,
+    row_chunks,
+    scratch,
+    to_block_matrix,
+)
+
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
-E4M3_MAX = 448.0
 FLT_MAX = torch.finfo(torch.float32).max
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 # fp32 bit patterns used by the rounding tricks.
-_EXPONENT_MASK = 0x7F800000
-_SIGN_BIT = -(1 << 31)  # 0x80000000 as an int32
 _ONE_BITS = 0x3F800000  # 1.0: smallest normal E2M1 value
 _E2M1_MAGIC_OFFSET = (22 << 23) | 0x400000  # turns 2^e into 1.5 * 2^(e+22): ulp = 2^(e-1)
-_E4M3_MIN_NORMAL_BITS = 0x3C800000  # 2^-6
-_E4M3_MAGIC_OFFSET = (20 << 23) | 0x400000  # turns 2^e into 1.5 * 2^(e+20): ulp = 2^(e-3)
 _RCP6 = torch.tensor(1.0 / 6.0, dtype=torch.float32)  # fp32(1/6), as TE's constexpr 1.0f/6.0f
-_CHUNK_ELEMENTS = 1 << 18  # CPU: rows are processed in chunks of about this many elements (1 MiB of fp32)
 
 
 @dataclass(frozen=True)
@@ -108,140 +116,16 @@ def global_scales(amax: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# E4M3 helpers (also used by MXFP8); torch's fp32 -> float8 cast is RNE and fast, its reverse is slow
-# ----------------------------------------------------------------------------------------------------------
-
-
-def e4m3_round(x: Tensor) -> Tensor:
-    """Round fp32 values to the nearest E4M3 value (ties to even, subnormals down to 2^-9); fp32 out.
-
-    |x| must be at most 448 (callers clamp). Adding ``M = 1.5 * 2^20 * max(2^floor(log2|x|), 2^-6)`` puts the
-    sum in a binade whose ulp is exactly the E4M3 spacing at x, so the fp32 adder does the RNE rounding;
-    subtracting M back is exact. Zero results are +0.
-    """
-    y = x.clone()
-    _e4m3_round_(y, torch.empty_like(y, dtype=torch.int32))
-    return y
-
-
-def _e4m3_round_(y: Tensor, work: Tensor) -> None:
-    """In-place :func:`e4m3_round` of fp32 ``y`` using an int32 buffer of its shape."""
-    torch.bitwise_and(y.view(torch.int32), _EXPONENT_MASK, out=work)
-    magic = work.clamp_(min=_E4M3_MIN_NORMAL_BITS).add_(_E4M3_MAGIC_OFFSET).view(torch.float32)
-    y.add_(magic).sub_(magic)
-
-
-def e4m3_round_ref(x: Tensor) -> Tensor:
-    """Reference for :func:`e4m3_round`: torch's float8_e4m3fn cast (RNE); fp32 out."""
-    return x.to(torch.float8_e4m3fn).to(torch.float32)
-
-
-def e4m3_from_bytes(codes: Tensor) -> Tensor:
-    """fp32 values of E4M3 bytes (uint8; 0x7F/0xFF, NaN, never produced here, are not decoded).
-
-    Several times faster on a CPU than torch's float8 -> fp32 cast: the byte's exponent and mantissa are moved
-    to fp16 bits 7..13, which maps E4M3's smallest normal 2^-6 onto fp16's 2^-14 (E4M3 subnormals become fp16
-    subnormals), and the fp16 -> fp32 conversion is exact; the factor 2^8 undoes the shift of exponents.
-    """
-    b = codes.to(torch.int16)
-    h = torch.bitwise_and(b, 0x7F).bitwise_left_shift_(7)
-    h.bitwise_or_(torch.bitwise_and(b, 0x80).bitwise_left_shift_(8))
-    return h.view(torch.float16).to(torch.float32).mul_(2.0**8)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Scratch buffers
-# ----------------------------------------------------------------------------------------------------------
-
-
-class _Scratch(threading.local):
-    """Per-thread CPU scratch buffers, reused across calls and grown to the largest request.
-
-    On a CPU the first touch of freshly allocated memory (page faults, once glibc has trimmed or unmapped a
-    freed block) can cost more than the arithmetic of a whole quantization, so the fast paths take their
-    temporaries from here; returned tensors are always freshly allocated. Accelerators have caching
-    allocators, so there a plain allocation is returned.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.dtype], Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-        if device.type != "cpu":
-            return torch.empty(shape, dtype=dtype, device=device)
-        size = math.prod(shape)
-        buffer = self.buffers.get((name, dtype))
-        if buffer is None or buffer.numel() < size:
-            buffer = torch.empty(size, dtype=dtype)
-            self.buffers[(name, dtype)] = buffer
-        return buffer[:size].view(shape)
-
-
-_SCRATCH = _Scratch()
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Layout: any tensor <-> a padded fp32 matrix with blocks along its rows
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _normalize_dim(x: Tensor, dim: int) -> int:
-    if not -x.ndim <= dim < max(x.ndim, 1):
-        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(x.shape)}")
-    return dim % x.ndim
-
-
-def _to_block_matrix(
-    x: Tensor, dim: int, block_2d: bool, block_size: int = BLOCK_SIZE, scratch: bool = False
-) -> tuple[Tensor, int]:
-    """x -> (fp32 contiguous [rows, cols padded to block_size], normalized dim); a copy, if one is needed,
-    goes to a scratch buffer when ``scratch`` (the fast paths only read it)."""
-    if not x.is_floating_point():
-        raise ValueError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
-    if x.ndim == 0:
-        raise ValueError("quantize expects a tensor with at least one dimension, got a scalar")
+def _block_matrix(x: Tensor, dim: int, block_2d: bool, use_scratch: bool = False) -> tuple[Tensor, int]:
+    """:func:`~hybridtron.numerics.blocks.to_block_matrix` with 1x16 blocks along ``dim``; 16x16 tiles
+    (``block_2d``) need a matrix."""
     if block_2d and x.ndim != 2:
         raise ValueError(f"block_2d (16x16 tiles) needs a 2-D tensor, got shape {tuple(x.shape)}")
-    d = _normalize_dim(x, dim)
-    moved = x.movedim(d, -1)
-    cols = moved.shape[-1]
-    rows = moved.numel() // cols if cols else math.prod(moved.shape[:-1])
-    padded_cols = -(-cols // block_size) * block_size
-    if padded_cols == cols and moved.dtype == torch.float32 and moved.is_contiguous():
-        return moved.reshape(rows, cols), d
-    shape = (rows, padded_cols)
-    if scratch:
-        matrix = _SCRATCH.get("matrix", shape, torch.float32, x.device)
-    else:
-        matrix = torch.empty(shape, dtype=torch.float32, device=x.device)
-    matrix[:, :cols].copy_(moved.reshape(rows, cols))
-    matrix[:, cols:].zero_()
-    return matrix, d
-
-
-def _from_block_matrix(matrix: Tensor, shape: torch.Size, dim: int) -> Tensor:
-    """Inverse of :func:`_to_block_matrix`: crop the padding, restore shape and dim order."""
-    moved_shape = list(shape)
-    moved_shape.append(moved_shape.pop(dim))
-    cropped = matrix[:, : moved_shape[-1]]
-    return cropped.reshape(moved_shape).movedim(-1, dim)
-
-
-def _output_matrix(matrix: Tensor, out: Tensor | None) -> Tensor:
-    """A result matrix shaped like ``matrix``: fresh, or the caller's fp32 buffer ``out`` viewed so."""
-    if out is None:
-        return torch.empty_like(matrix)
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != matrix.numel():
-        raise ValueError(f"out must be a contiguous fp32 tensor of {matrix.numel()} elements (the padded matrix "
-                         f"{tuple(matrix.shape)}), got {out.dtype} {tuple(out.shape)}")
-    return out.view(matrix.shape)
-
-
-def _check_finite(amax: Tensor, what: str) -> None:
-    if not bool(torch.isfinite(amax)):
-        raise ValueError(
-            f"{what}: input contains NaN or Inf (max|x| = {amax.item()}); only finite values can be quantized"
-        )
+    return to_block_matrix(x, dim, BLOCK_SIZE, use_scratch=use_scratch)
 
 
 def _tile_amax(block_amax: Tensor) -> Tensor:
@@ -250,15 +134,6 @@ def _tile_amax(block_amax: Tensor) -> Tensor:
     padded = F.pad(block_amax, (0, 0, 0, (-rows) % BLOCK_SIZE))
     tiles = padded.view(-1, BLOCK_SIZE, col_blocks).amax(dim=1)
     return tiles.repeat_interleave(BLOCK_SIZE, dim=0)[:rows]
-
-
-def _chunk_rows(matrix: Tensor) -> int:
-    """Rows per chunk: cache-sized on a CPU (the elementwise passes then stay in cache); the whole matrix on an
-    accelerator, where each extra kernel launch costs more than the memory traffic it saves."""
-    rows, cols = matrix.shape
-    if matrix.device.type != "cpu":
-        return max(rows, 1)
-    return max(1, _CHUNK_ELEMENTS // max(cols, 1))
 
 
 def _new_uniform(matrix: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -292,34 +167,15 @@ class _BlockScales:
                 values[lo - r0 : hi - r0].mul_(self.s_dec[group])
 
 
-def _block_amax(matrix: Tensor, block_size: int = BLOCK_SIZE) -> Tensor:
-    """max|x| of each 1 x block_size block, [rows, cols/block_size], on cache-sized chunks. The maximum is taken
-    over the bits of |x| as int32 (the order of non-negative floats; NaN's bits exceed Inf's, so NaN
-    propagates): a CPU reduces integers over a 16-wide inner dim several times faster than floats."""
-    rows, cols = matrix.shape
-    blocks = cols // block_size
-    out = matrix.new_empty((rows, blocks))
-    if matrix.numel() == 0:
-        return out.zero_()
-    chunk = _chunk_rows(matrix)
-    magnitude = _SCRATCH.get("magnitude", (min(chunk, rows), blocks, block_size), torch.float32, matrix.device)
-    out_bits = out.view(torch.int32)
-    for r0 in range(0, rows, chunk):
-        r1 = min(rows, r0 + chunk)
-        level = torch.abs(matrix[r0:r1].view(r1 - r0, blocks, block_size), out=magnitude[: r1 - r0])
-        torch.amax(level.view(torch.int32), dim=-1, out=out_bits[r0:r1])
-    return out
-
-
 def _block_scales(matrix: Tensor, block_2d: bool, group_rows: list[int] | None = None) -> _BlockScales:
     """Block scales of ``matrix``, with one tensor scale, or one per run of ``group_rows`` rows: the same
     fp32 operations per element, on each row's group's S_enc and S_dec."""
-    block_amax = _block_amax(matrix)
+    block_amax = blockwise_amax(matrix, BLOCK_SIZE)
     if block_2d:
         block_amax = _tile_amax(block_amax)
     if group_rows is None:
         amax = block_amax.max() if block_amax.numel() else matrix.new_zeros(())
-        _check_finite(amax, "NVFP4 quantize")
+        check_finite(amax, "NVFP4 quantize")
         s_enc, s_dec = global_scales(amax)
         multiplier, row_s_dec, bounds = s_enc * _RCP6.to(matrix.device), s_dec, None
     else:
@@ -329,7 +185,7 @@ def _block_scales(matrix: Tensor, block_2d: bool, group_rows: list[int] | None =
         zero = matrix.new_zeros(())
         amax = torch.stack([block_amax[a:b].max() if b > a and block_amax.shape[1] else zero
                             for a, b in zip(bounds[:-1], bounds[1:])])
-        _check_finite(amax.max() if amax.numel() else zero, "NVFP4 quantize")
+        check_finite(amax.max() if amax.numel() else zero, "NVFP4 quantize")
         s_enc, s_dec = global_scales(amax)
         lengths = torch.tensor(group_rows, device=matrix.device)
         multiplier, row_s_dec = (v.repeat_interleave(lengths, output_size=bounds[-1])[:, None]
@@ -348,7 +204,7 @@ def _round_chunk(
     torch.mul(x.view(n, blocks, BLOCK_SIZE), encode[:, :, None], out=y.view(n, blocks, BLOCK_SIZE))
     y.clamp_(-E2M1_MAX, E2M1_MAX)
     # 2^floor(log2|y|), floored at 1.0: below 1 the E2M1 grid is uniform with spacing 0.5.
-    torch.bitwise_and(y.view(torch.int32), _EXPONENT_MASK, out=work)
+    torch.bitwise_and(y.view(torch.int32), FP32_EXPONENT_MASK, out=work)
     work.clamp_(min=_ONE_BITS)
     if uniform is None:
         magic = work.add_(_E2M1_MAGIC_OFFSET).view(torch.float32)
@@ -360,10 +216,7 @@ def _round_chunk(
         torch.floor(quotient, out=y)
         # Round up when u < frac: ceil(frac - u) is exactly that indicator (1, or 0 / -0), as a float in place.
         y.add_(quotient.sub_(y).sub_(uniform).ceil_()).mul_(spacing)
-    # copysign(y, x), zeros included; |y| already carries x's sign unless it is 0 (two integer passes beat
-    # torch.copysign on a CPU).
-    torch.bitwise_and(x.view(torch.int32), _SIGN_BIT, out=work)
-    y.view(torch.int32).bitwise_or_(work)
+    restore_zero_signs_(y, x, work)
 
 
 def _round_matrix(
@@ -371,18 +224,16 @@ def _round_matrix(
 ) -> None:
     """Round ``matrix`` chunk by chunk; ``emit(row0, row1, values)`` consumes each chunk's signed E2M1 values.
     Stochastic rounding draws each chunk's uniforms just before rounding it, so they stay in cache."""
-    rows, cols = matrix.shape
-    if matrix.numel() == 0:
+    chunks = row_chunks(matrix)
+    if not chunks:
         return
-    chunk = _chunk_rows(matrix)
-    n = min(chunk, rows)
-    y = _SCRATCH.get("values", (n, cols), torch.float32, matrix.device)
-    work = _SCRATCH.get("work", (n, cols), torch.int32, matrix.device)
+    n, cols = chunks[0][1], matrix.shape[1]
+    y = scratch("values", (n, cols), torch.float32, matrix.device)
+    work = scratch("work", (n, cols), torch.int32, matrix.device)
     if stochastic_rounding:
-        uniform = _SCRATCH.get("uniform", (n, cols), torch.float32, matrix.device)
-        spare = _SCRATCH.get("spare", (n, cols), torch.float32, matrix.device)
-    for r0 in range(0, rows, chunk):
-        r1 = min(rows, r0 + chunk)
+        uniform = scratch("uniform", (n, cols), torch.float32, matrix.device)
+        spare = scratch("spare", (n, cols), torch.float32, matrix.device)
+    for r0, r1 in chunks:
         m = r1 - r0
         u = s = None
         if stochastic_rounding:
@@ -416,14 +267,14 @@ def quantize(
     generator: torch.Generator | None = None,
 ) -> NVFP4Quantized:
     """Quantize ``x`` (fp32/bf16/fp16) to NVFP4 with 1x16 blocks along ``dim`` (or 16x16 tiles)."""
-    matrix, d = _to_block_matrix(x, dim, block_2d, scratch=True)
+    matrix, d = _block_matrix(x, dim, block_2d, use_scratch=True)
     scales = _block_scales(matrix, block_2d)
     rows, cols = matrix.shape
     codes = torch.empty((rows, cols // 2), dtype=torch.uint8, device=x.device)
-    n = min(rows, _chunk_rows(matrix)) if codes.numel() else 0
-    half = _SCRATCH.get("half", (n, cols), torch.float16, x.device)
-    lo = _SCRATCH.get("lo", (n, cols // 2), torch.int32, x.device)
-    hi = _SCRATCH.get("hi", (n, cols // 2), torch.int32, x.device)
+    n = min(rows, chunk_rows(matrix)) if codes.numel() else 0
+    half = scratch("half", (n, cols), torch.float16, x.device)
+    lo = scratch("lo", (n, cols // 2), torch.int32, x.device)
+    hi = scratch("hi", (n, cols // 2), torch.int32, x.device)
 
     def emit(r0: int, r1: int, values: Tensor) -> None:
         m = r1 - r0
@@ -448,14 +299,11 @@ def dequantize(q: NVFP4Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
     scale = e4m3_from_bytes(q.scales).mul_(2.0**14)
     s_dec = global_scales(q.amax)[1]
     out = torch.empty((rows, cols), dtype=torch.float32, device=q.codes.device)
-    if out.numel() == 0:
-        return _from_block_matrix(out, q.shape, q.dim).to(dtype)
-    chunk = _chunk_rows(out)
-    n = min(chunk, rows)
-    byte = _SCRATCH.get("lo", (n, cols // 2), torch.int32, q.codes.device)
-    sign = _SCRATCH.get("hi", (n, cols // 2), torch.int32, q.codes.device)
-    for r0 in range(0, rows, chunk):
-        r1 = min(rows, r0 + chunk)
+    chunks = row_chunks(out)
+    n = chunks[0][1] if chunks else 0
+    byte = scratch("lo", (n, cols // 2), torch.int32, q.codes.device)
+    sign = scratch("hi", (n, cols // 2), torch.int32, q.codes.device)
+    for r0, r1 in chunks:
         m = r1 - r0
         b = byte[:m]
         b.copy_(q.codes[r0:r1])
@@ -468,7 +316,7 @@ def dequantize(q: NVFP4Quantized, dtype: torch.dtype = torch.float32) -> Tensor:
         o.copy_(b.view(torch.float16))
         o.view(m, blocks, BLOCK_SIZE).mul_(scale[r0:r1, :, None])
         o.mul_(s_dec)
-    return _from_block_matrix(out, q.shape, q.dim).to(dtype)
+    return from_block_matrix(out, q.shape, q.dim).to(dtype)
 
 
 def fake_quantize(
@@ -492,7 +340,7 @@ def fake_quantize(
     ``out``: a contiguous fp32 buffer with as many elements as the padded matrix (a reused one spares the
     allocation); the result is then a view of it.
     """
-    matrix, d = _to_block_matrix(x, dim, block_2d, scratch=True)
+    matrix, d = _block_matrix(x, dim, block_2d, use_scratch=True)
     if group_rows is not None:
         if sum(group_rows) != matrix.shape[0] or min(group_rows, default=0) < 0:
             raise ValueError(f"group_rows {group_rows} must be non-negative and sum to the {matrix.shape[0]} rows")
@@ -501,7 +349,7 @@ def fake_quantize(
                              f"of {BLOCK_SIZE} rows")
     scales = _block_scales(matrix, block_2d, group_rows)
     rows, cols = matrix.shape
-    out = _output_matrix(matrix, out)
+    out = output_matrix(matrix, out)
     blocks = cols // BLOCK_SIZE
 
     def emit(r0: int, r1: int, values: Tensor) -> None:
@@ -511,7 +359,7 @@ def fake_quantize(
         scales.decode_(o, r0)
 
     _round_matrix(matrix, scales, stochastic_rounding, generator, emit)
-    return _from_block_matrix(out, x.shape, d)
+    return from_block_matrix(out, x.shape, d)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -549,14 +397,14 @@ def quantize_ref(
     generator: torch.Generator | None = None,
 ) -> NVFP4Quantized:
     """Reference twin of :func:`quantize` (same arguments, same random draws, same result bit for bit)."""
-    matrix, d = _to_block_matrix(x, dim, block_2d)
+    matrix, d = _block_matrix(x, dim, block_2d)
     rows, cols = matrix.shape
     blocks = matrix.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
     block_amax = blocks.abs().amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:2])
     if block_2d:
         block_amax = _tile_amax(block_amax)
     amax = matrix.abs().max() if matrix.numel() else matrix.new_zeros(())
-    _check_finite(amax, "NVFP4 quantize")
+    check_finite(amax, "NVFP4 quantize")
     s_enc, s_dec = global_scales(amax)
     scale_e4m3 = torch.clamp(block_amax * (s_enc * _RCP6.to(x.device)), max=E4M3_MAX).to(torch.float8_e4m3fn)
     encode = torch.clamp(1.0 / (scale_e4m3.to(torch.float32) * s_dec), max=FLT_MAX)
@@ -596,7 +444,7 @@ def dequantize_ref(q: NVFP4Quantized, dtype: torch.dtype = torch.float32) -> Ten
     s_dec = global_scales(q.amax)[1]
     blocks = values.view(rows, cols // BLOCK_SIZE, BLOCK_SIZE)
     out = (blocks * scale[:, :, None]) * s_dec
-    return _from_block_matrix(out.view(rows, cols), q.shape, q.dim).to(dtype)
+    return from_block_matrix(out.view(rows, cols), q.shape, q.dim).to(dtype)
 
 
 def fake_quantize_ref(

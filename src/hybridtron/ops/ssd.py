@@ -20,6 +20,9 @@ Where it departs from the listing, for speed on CPUs (same math; tests compare i
 - Heads are laid out as [batch, group, head in group, chunk, position] so every product is a batched matmul
   without copying B or C per head.
 
+Every function here runs with autocast off (`ops.autocast.fp32_island`): the scan is specified in fp32, and a
+caller's bf16 autocast region would otherwise run its matmuls in bf16.
+
 Shapes (suffix legend): B batch, T time, H heads, P head dim, G groups, J heads per group, N state size,
 C chunks, L/S positions in a chunk, X batch x groups, R heads per group x head dim.
 """
@@ -29,7 +32,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridtron.ops.autocast import fp32_island
 
+
+@fp32_island
 def ssd_chunked(
     x_BTHP: torch.Tensor,
     a_BTH: torch.Tensor,
@@ -84,6 +90,7 @@ def ssd_chunked(
     return y_BTHP, state_BGJPN.reshape(batch, heads, head_dim, state_size)
 
 
+@fp32_island
 def ssd_step_(
     state_BHPN: torch.Tensor, x_BHP: torch.Tensor, a_BH: torch.Tensor, B_BGN: torch.Tensor, C_BGN: torch.Tensor
 ) -> torch.Tensor:
@@ -103,6 +110,7 @@ def ssd_step_(
     return torch.bmm(state_XRN, C_BGN.reshape(batch * groups, state_size, 1)).view(batch, heads, head_dim)
 
 
+@fp32_island
 def ssd_step(
     state_BHPN: torch.Tensor, x_BHP: torch.Tensor, a_BH: torch.Tensor, B_BGN: torch.Tensor, C_BGN: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +130,7 @@ def ssd_step(
     return y_BGJP.view(batch, heads, head_dim), new_BGJPN.view(batch, heads, head_dim, state_size)
 
 
+@fp32_island
 def ssd_steps(
     x_BTHP: torch.Tensor,
     a_BTH: torch.Tensor,
@@ -152,6 +161,7 @@ def ssd_steps(
             states_BGJTPN.permute(0, 3, 1, 2, 4, 5).reshape(batch, length, heads, head_dim, state_size))
 
 
+@fp32_island
 def ssd_ref(
     x_BTHP: torch.Tensor,
     a_BTH: torch.Tensor,

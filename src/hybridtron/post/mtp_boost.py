@@ -39,6 +39,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from hybridtron.checkpoint import load_pretrained, save_pretrained
+from hybridtron.data.chat import TOKENIZER_FILES
 from hybridtron.config import ATTENTION
 from hybridtron.infer.cache import HybridCache, KVCache
 from hybridtron.infer.generate import generate
@@ -292,7 +294,6 @@ def _prompts(args, model_dir: Path, bos_id: int) -> tuple[list[list[int]], list[
 
 
 def run(args) -> int:
-    from hybridtron.model.lm import HybridLM
 
     config = BoostConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size, depths=args.depths,
                          num_samples=args.num_samples, sample_length=args.sample_length,
@@ -303,7 +304,7 @@ def run(args) -> int:
     out_dir = Path(args.out) if args.out else model_dir.with_name(model_dir.name + "-mtp-boosted")
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError(f"--out {out_dir} is the input checkpoint; write the boosted model elsewhere")
-    model = HybridLM.from_pretrained(model_dir)
+    model = load_pretrained(model_dir)
     check_drafter(model, config.draft_length)
     bos = model.config.bos_token_id if model.config.bos_token_id is not None else 0
     prompts, eval_prompts = _prompts(args, model_dir, bos)
@@ -312,9 +313,10 @@ def run(args) -> int:
         eval_prompts = held_out.tolist()
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     result = boost_mtp(model, prompts, eval_prompts, config, log=log)
-    model.save_pretrained(out_dir)
-    if (model_dir / "tokenizer.json").is_file():
-        shutil.copyfile(model_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    save_pretrained(model, out_dir)
+    for name in TOKENIZER_FILES:  # the boosted model speaks with the same tokenizer and chat template
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out_dir / name)
     (out_dir / "mtp_boost.json").write_text(json.dumps({"config": asdict(config), **asdict(result)}, indent=2))
     print(f"mean acceptance length (greedy, draft length {config.draft_length}): "
           f"{result.acceptance_before:.3f} -> {result.acceptance_after:.3f}; loss {result.losses[0]:.4f} -> "

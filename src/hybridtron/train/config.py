@@ -18,7 +18,7 @@ from typing import Any
 
 from hybridtron.config import ModelConfig, preset
 from hybridtron.data import DataConfig
-from hybridtron.train.monitor import MonitorConfig
+from hybridtron.train.monitor.config import MonitorConfig
 
 try:
     import tomllib
@@ -89,12 +89,43 @@ class RunConfig:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
+    def to_toml(self) -> str:
+        """The configuration as a TOML file that `--config` reads back to the same RunConfig."""
+        parts = []
+        for section in ("model", "data", "train", "monitor"):
+            parts.append(f"[{section}]")
+            obj = getattr(self, section)
+            parts += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
+            parts.append("")
+        return "\n".join(parts)
+
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
-        raw = json.loads(Path(path).read_text())
+        try:
+            raw = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        missing = [section for section in ("model", "data", "train") if section not in raw]
+        if missing:
+            raise ValueError(f"{path}: not a run config (no {', '.join(missing)} section)")
         return cls(model=ModelConfig.from_hf(raw["model"]), data=_build(DataConfig, raw["data"], "data"),
                    train=_build(TrainConfig, raw["train"], "train"),
                    monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"))
+
+
+def _toml_value(value) -> str:
+    """A TOML literal; None, which TOML lacks, as the string "none" (what an override of an optional field takes)."""
+    if value is None:
+        return '"none"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)  # inf, nan and exponents are TOML floats as Python writes them
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
 
 
 def _plain(obj) -> dict:
@@ -160,8 +191,14 @@ def parse_override(text: str) -> tuple[str, str, str]:
 
 def build_run_config(base_preset: str = "tiny", toml_path: str | None = None, overrides: list[str] = (),
                      base: RunConfig | None = None) -> RunConfig:
-    """preset (or a saved run's config) <- TOML file <- --set overrides, in that order."""
+    """preset (or a saved run's config) <- config file <- --set overrides, in that order. The config file is TOML
+    (`[model]`, `[data]`, `[train]`, `[monitor]`; what `pretrain --print-config` prints) or a run's run_config.json
+    (which then replaces the preset)."""
     sections: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "train": {}, "monitor": {}}
+    if toml_path is not None and Path(toml_path).suffix == ".json":  # a run's own run_config.json
+        if not Path(toml_path).is_file():
+            raise FileNotFoundError(f"{toml_path}: config file not found")
+        base, toml_path = RunConfig.load(toml_path), None
     if toml_path is not None:
         path = Path(toml_path)
         if not path.is_file():

@@ -1,31 +1,34 @@
-"""Hooks around the training loop. Each one has a `state_dict` so that a resumed run restores it.
+"""Hooks observe the training loop; they never change what a step does. Each has a `state_dict` so that a resumed
+run restores it.
 
-Call points: `on_train_start(trainer)`, `after_backward(trainer, metrics) -> bool` (False drops this step's
-update: the stability monitor's `skip`), `on_step_end(trainer, metrics)`, `on_train_end(trainer)`.
-`metrics` is the step's dict; hooks may add to it (validation loss, MaxVio) before the logger writes it.
+Call points (all optional): `on_train_start(trainer)`, `on_initial_evaluation(trainer, values)` (a fresh run's
+step-0 evaluations), `on_step_end(trainer, stats, decision)` with the finished
+`StepStats` and the monitor's `Decision` (read-only), `on_rollback(trainer, bad_step, target_step, rollback)` after
+the trainer restored a checkpoint, `on_train_end(trainer)`. Every hook sees the same finished step, so their order
+does not matter.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-from hybridtron.train.balance import max_violation
+from hybridtron.train.monitor.recovery import ROLLED_BACK_FILE, Decision
+from hybridtron.train.stats import StepStats
 
 
 class Hook:
     def on_train_start(self, trainer) -> None: ...
 
-    def after_backward(self, trainer, metrics: dict) -> bool:
-        return True
+    def on_initial_evaluation(self, trainer, values: dict[str, float]) -> None: ...
 
-    def on_step_end(self, trainer, metrics: dict) -> None: ...
+    def on_step_end(self, trainer, stats: StepStats, decision: Decision) -> None: ...
+
+    def on_rollback(self, trainer, bad_step: int, target_step: int, rollback: int) -> None: ...
 
     def on_train_end(self, trainer) -> None: ...
 
@@ -35,110 +38,31 @@ class Hook:
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class Hooks:
-    """The hooks of a run, called in order; their state dicts are keyed by class name."""
-
-    def __init__(self, hooks: list[Hook]):
-        self.hooks = hooks
-
-    def on_train_start(self, trainer):
-        for hook in self.hooks:
-            hook.on_train_start(trainer)
-
-    def after_backward(self, trainer, metrics) -> bool:
-        return all([hook.after_backward(trainer, metrics) for hook in self.hooks])  # every hook sees the step
-
-    def on_step_end(self, trainer, metrics):
-        for hook in self.hooks:
-            hook.on_step_end(trainer, metrics)
-
-    def on_train_end(self, trainer):
-        for hook in self.hooks:
-            hook.on_train_end(trainer)
-
-    def state_dict(self) -> dict:
-        return {type(hook).__name__: hook.state_dict() for hook in self.hooks}
-
-    def load_state_dict(self, state: dict) -> None:
-        for hook in self.hooks:
-            if type(hook).__name__ in state:
-                hook.load_state_dict(state[type(hook).__name__])
-
-    def find(self, cls):
-        return next((hook for hook in self.hooks if isinstance(hook, cls)), None)
-
-
-class ExpertLoad(Hook):
-    """MaxVio per MoE layer over the last `window` steps (the report measured over 20 iterations)."""
-
-    def __init__(self, window: int):
-        self.window = collections.deque(maxlen=window)
-
-    def on_step_end(self, trainer, metrics):
-        counts = metrics.pop("expert_counts", None)
-        if counts is None:
-            return
-        self.window.append(counts)
-        for layer, value in zip(trainer.moe_layer_ids, max_violation(torch.stack(list(self.window)).sum(0))):
-            metrics[f"maxvio/{layer}"] = round(float(value), 4)
-
-    def state_dict(self):
-        return {"window": list(self.window)}
-
-    def load_state_dict(self, state):
-        self.window.clear()
-        self.window.extend(state["window"])
-
-
-class Validation(Hook):
-    """Held-out loss (the backbone's next-token CE) at step 0, every `every` steps, and at the end."""
-
-    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], every: int):
-        self.batches, self.every = batches, every
-        self.history: list[tuple[int, float]] = []
-
-    @torch.no_grad()
-    def evaluate(self, trainer) -> float:
-        model = trainer.model
-        was_training = model.training
-        model.eval()
-        total = 0.0
-        for input_ids, labels in self.batches:
-            with trainer.autocast():
-                total += float(model(input_ids, labels, mtp=False).lm_loss)
-        model.train(was_training)
-        return total / len(self.batches)
-
-    def on_train_start(self, trainer):
-        if trainer.step == 0 and not self.history:
-            self.initial = self.evaluate(trainer)
-            self.history.append((0, self.initial))
-            trainer.log({"step": 0, "val_loss": self.initial})
-
-    def on_step_end(self, trainer, metrics):
-        if trainer.step % self.every == 0 or trainer.step == trainer.schedule.total_steps:
-            metrics["val_loss"] = self.evaluate(trainer)
-            self.history.append((trainer.step, metrics["val_loss"]))
-
-    def state_dict(self):
-        return {"history": list(self.history)}
-
-    def load_state_dict(self, state):
-        self.history = [tuple(x) for x in state["history"]]
+def step_line(stats: StepStats, decision: Decision) -> dict:
+    """The metrics.jsonl line of a step: its record and what the monitor decided."""
+    line = stats.record()
+    if decision.action == "skip":
+        line["skipped"] = True
+    elif decision.rolls_back:
+        line["rollback"] = int(decision.target.name.removeprefix("step_"))
+    return line
 
 
 class MetricsLogger(Hook):
-    """One JSON line per step in `metrics.jsonl`; TensorBoard event files too when tensorboard is installed."""
+    """One JSON line per step in `metrics.jsonl` (step 0 carries the initial evaluation); TensorBoard event files
+    beside it when the `tensorboard` package is installed (`tensorboard/`)."""
 
     def __init__(self, run_dir: Path, every: int = 1):
-        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
         self.every = every
         self.tensorboard = None
         try:
             from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"))
-        except ImportError:
-            pass
+        except ImportError:  # tensorboard is optional (the dev extra has it)
+            SummaryWriter = None
+        if SummaryWriter is not None:
+            self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def on_train_start(self, trainer):
         """On resume, drop lines past the checkpoint: the resumed run writes those steps again, identically."""
@@ -147,30 +71,67 @@ class MetricsLogger(Hook):
                     if line.strip() and json.loads(line).get("step", 0) <= trainer.step]
             self.path.write_text("".join(line + "\n" for line in kept))
 
-    def write(self, metrics: dict) -> None:
+    def write(self, line: dict) -> None:
         # floats exactly (json writes the shortest repr that reads back bit for bit); NaN/Inf as strings
-        clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        clean = {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in line.items()}
         with self.path.open("a") as handle:
             handle.write(json.dumps(clean) + "\n")
         if self.tensorboard is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tensorboard.add_scalar(key, value, metrics["step"])
+            for key, value in line.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self.tensorboard.add_scalar(key, value, line["step"])
 
-    def on_step_end(self, trainer, metrics):
-        if trainer.step % self.every == 0 or "val_loss" in metrics or metrics.get("events"):
-            self.write(metrics)
+    def on_initial_evaluation(self, trainer, values):
+        self.write({"step": 0, **values})
+
+    def on_step_end(self, trainer, stats, decision):
+        if stats.step % self.every == 0 or stats.events or stats.evaluation:
+            self.write(step_line(stats, decision))
+
+    def on_rollback(self, trainer, bad_step, target_step, rollback):
+        """Move the lines of the abandoned steps (past `target_step`) to metrics.rolled_back.jsonl, side file first:
+        a crash in between duplicates lines there rather than losing them."""
+        if not self.path.exists():
+            return
+        kept, moved = [], []
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if record.get("step", 0) > target_step:
+                moved.append(json.dumps({**record, "rolled_back": rollback}))
+            else:
+                kept.append(line)
+        if moved:
+            with (self.run_dir / ROLLED_BACK_FILE).open("a") as handle:
+                handle.write("".join(line + "\n" for line in moved))
+            staging = self.path.with_name(self.path.name + ".tmp")
+            staging.write_text("".join(line + "\n" for line in kept))
+            os.replace(staging, self.path)
 
     def on_train_end(self, trainer):
         if self.tensorboard is not None:
             self.tensorboard.close()
 
 
-class ProgressBar(Hook):
-    """A one-line progress bar on stderr: step, loss, validation loss, tokens/s and ETA."""
+def format_duration(seconds: float) -> str:
+    """`12s`, `4m05s`, `2h03m`: whole units, so a duration never reads `35m60s`."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
-    def __init__(self, stream=sys.stderr, width: int = 28):
-        self.stream, self.width = stream, width
+
+class ProgressBar(Hook):
+    """The step, the objective's headline metric (pretraining: `ce`, the next-token cross entropy, as the
+    validation loss is), the validation value, tokens/s and the ETA. On a terminal: one line redrawn in place; into
+    a file or a pipe: a plain line every `log_every` steps and at the end, so logs stay readable."""
+
+    def __init__(self, stream=sys.stderr, width: int = 28, log_every: int = 10):
+        self.stream, self.width, self.log_every = stream, width, log_every
+        self.interactive = hasattr(stream, "isatty") and stream.isatty()
         self.started = None
         self.start_step = 0
         self.last_val = None
@@ -178,34 +139,21 @@ class ProgressBar(Hook):
     def on_train_start(self, trainer):
         self.started, self.start_step = time.perf_counter(), trainer.step
 
-    def on_step_end(self, trainer, metrics):
+    def on_step_end(self, trainer, stats, decision):
         total = trainer.schedule.total_steps
         done = trainer.step - self.start_step
         elapsed = time.perf_counter() - self.started
         eta = elapsed / max(done, 1) * (total - trainer.step)
-        self.last_val = metrics.get("val_loss", self.last_val)
-        filled = int(self.width * trainer.step / max(total, 1))
-        val = f" val {self.last_val:.3f}" if self.last_val is not None else ""
-        line = (f"\r[{'#' * filled}{'.' * (self.width - filled)}] {trainer.step}/{total} loss {metrics['loss']:.3f}"
-                f"{val} {metrics.get('tokens_per_s', 0):.0f} tok/s ETA {eta // 60:.0f}m{eta % 60:02.0f}s")
-        self.stream.write(line)
-        if trainer.step == total:
-            self.stream.write("\n")
+        key, label = trainer.objective.headline
+        self.last_val = stats.evaluation.get("val_loss", self.last_val)
+        val = f" val {label} {self.last_val:.3f}" if self.last_val is not None else ""
+        text = (f"{trainer.step}/{total} {label} {stats.losses.get(key, math.nan):.3f}{val} "
+                f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tok/s ETA {format_duration(eta)}")
+        if self.interactive:
+            filled = int(self.width * trainer.step / max(total, 1))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {text}")
+            if trainer.step == total:
+                self.stream.write("\n")
+        elif trainer.step % self.log_every == 0 or trainer.step == total:
+            self.stream.write(f"step {text}\n")
         self.stream.flush()
-
-
-class Checkpointing(Hook):
-    """An asynchronous checkpoint every `every` steps and a blocking one at the end; none of a step the stability
-    monitor is about to roll back (`"rollback"` in its metrics)."""
-
-    def __init__(self, every: int):
-        self.every = every
-
-    def on_step_end(self, trainer, metrics):
-        if (trainer.step % self.every == 0 and trainer.step < trainer.schedule.total_steps
-                and "rollback" not in metrics):
-            trainer.save_checkpoint()
-
-    def on_train_end(self, trainer):
-        trainer.save_checkpoint(blocking=True)
-        trainer.checkpoints.close()

@@ -1,27 +1,40 @@
-"""The training loop. `Trainer.train` fits on one screen; the rest of a run is hooks (see hooks.py).
+"""The training loop: one `Trainer` for every objective (pretraining; SFT, GRPO and MOPD in hybridtron.post).
 
-One optimizer step: `grad_accum` micro-batches (gradients summed in fp32), loss = CE + MTP, clip, AdamW with the
-warmup-stable-decay schedule, then the aux-loss-free router-bias update from this step's global expert loads.
+One optimizer step, as `Trainer.train` reads:
+
+1. forward and backward of each of the step's micro-batches (the batch source gives them, the objective turns each
+   into its share of the loss); the output layer's fp32/bf16 gradient accumulation is flushed;
+2. the gradient norms before clipping (global and per parameter group), then clipping to `grad_clip`;
+3. MaxVio of every router, from this step's globally reduced expert counts;
+4. the stability monitor judges the step: apply, skip, or roll back (hybridtron.train.monitor);
+5. if applied: AdamW with the warmup-stable-decay LR, then every router's bias moves toward balance;
+6. evaluations that are due, then the hooks observe the finished step (metrics, progress bar);
+7. a rollback is carried out here (`roll_back`), otherwise a checkpoint is written when due.
+
+Everything that decides what a step does is in this file; hooks only observe (hybridtron.train.hooks).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import random
+import shutil
 import time
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hybridtron.checkpoint.dcp import CheckpointManager
-from hybridtron.model.lm import HybridLM
+from hybridtron.checkpoint.dcp import CheckpointManager, step_of
+from hybridtron.numerics.grad_accum import flush_main_grads, set_output_accumulation
 from hybridtron.numerics.linear import load_sr_generator_states, sr_generator_states
-from hybridtron.numerics.grad_accum import flush_main_grads
-from hybridtron.train.balance import update_router_biases
+from hybridtron.train.balance import ExpertBalance
 from hybridtron.train.config import TrainConfig
-from hybridtron.train.hooks import Hooks
+from hybridtron.train.monitor import ANNEAL, Decision, NoMonitor
 from hybridtron.train.schedule import WSDSchedule
+from hybridtron.train.stats import StepStats, group_norms
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -36,71 +49,185 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 
 class Trainer:
-    def __init__(self, model: HybridLM, loader, config: TrainConfig, hooks: list, checkpoints: CheckpointManager):
-        self.model, self.loader, self.config = model, loader, config
+    """`objective` and `batches`: see hybridtron.train.objectives. `checkpoints`: None trains without saving (and
+    so without rollbacks). `monitor` and `faults`: from `hybridtron.train.monitor.build_monitor`."""
+
+    def __init__(self, model, objective, batches, config: TrainConfig, checkpoints: CheckpointManager | None, *,
+                 hooks=(), evaluators=(), monitor=None, faults=None):
+        self.model, self.objective, self.batches, self.config = model, objective, batches, config
+        self.checkpoints = checkpoints
+        self.hooks, self.evaluators = list(hooks), list(evaluators)
+        self.monitor = monitor or NoMonitor()
+        self.faults = faults
         self.optimizer = build_optimizer(model, config)
         self.schedule = self.new_schedule()
-        self.hooks = Hooks(hooks)
-        self.checkpoints = checkpoints
+        self.balance = ExpertBalance(list(model.routers()), config.router_bias_rate, config.maxvio_window)
         self.step = 0
-        self.moe_layer_ids = [i for i, layer in enumerate(model.backbone.layers) if layer.kind == "moe"]
-        self.logger = None  # the MetricsLogger hook, if any, for lines outside the step (step-0 validation)
+        # what rollbacks changed: kept when a rollback restores an older checkpoint, restored on resume
+        self.adjustments = {"lr_scale": 1.0, "grad_accum_dtype": None}
 
     def new_schedule(self) -> WSDSchedule:
         cfg = self.config
         return WSDSchedule(cfg.lr, cfg.steps, cfg.warmup_steps, cfg.decay_fraction, cfg.min_lr_ratio)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
     def autocast(self):
         if self.config.precision == "bf16":
-            return torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    # ---------------------------------------------------------------------------------------------- the loop
     def train(self, until: int | None = None) -> None:
         """Train to the schedule's end, or to step `until` (a branch continuing a checkpoint for a window)."""
-        cfg, model = self.config, self.model
-        model.train()
-        self.hooks.on_train_start(self)
+        self.start()
         while self.step < (self.schedule.total_steps if until is None else until):
-            started, lr = time.perf_counter(), self.schedule.lr(self.step)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            losses, counts = [], None
-            for _ in range(cfg.grad_accum):
-                input_ids, labels = next(self.loader)
-                with self.autocast():
-                    out = model(input_ids, labels)
-                (out.loss / cfg.grad_accum).backward()
-                losses.append([out.loss.detach(), out.lm_loss.detach(), *[m.detach() for m in out.mtp_losses]])
-                counts = out.expert_counts if counts is None else counts + out.expert_counts
-            flush_main_grads(model)  # an output layer accumulating in grad_accum_dtype hands its gradient over
-            loss, lm_loss, *mtp = torch.tensor(losses).mean(0).tolist()
-            grad_norm = self.clip_gradients()
-            metrics = {"step": self.step + 1, "loss": loss, "lm_loss": lm_loss, "lr": lr, "grad_norm": grad_norm,
-                       **{f"mtp_loss_{d}": v for d, v in enumerate(mtp, start=1)}}
-            if self.hooks.after_backward(self, metrics):
-                self.optimizer.step()
-                if counts is not None:
-                    update_router_biases(model.router_biases(), counts.clone(), cfg.router_bias_rate)
+            stats = self.forward_backward()  # every micro-batch of the step: losses, tokens, expert counts
+            self.clip_gradients(stats)  # norms before clipping, global and per parameter group
+            stats.signals.update(self.balance.measure(stats.expert_counts))  # MaxVio of every router
+            decision = self.monitor.judge(self, stats)  # apply / skip / rollback / anneal
+            if decision.applies:
+                self.apply_update(stats)  # AdamW, then every router's bias toward balance
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-            metrics["tokens_per_s"] = cfg.grad_accum * input_ids.numel() / (time.perf_counter() - started)
-            metrics["expert_counts"] = counts
-            self.hooks.on_step_end(self, metrics)
-        self.hooks.on_train_end(self)
+            stats.seconds = time.perf_counter() - stats.seconds
+            self.monitor.after_update(self, stats, decision)
+            if not decision.rolls_back:
+                self.mark_good_checkpoints()  # those `good_after` steps old now
+            stats.evaluation = self.evaluate(due_only=True)
+            for hook in self.hooks:
+                hook.on_step_end(self, stats, decision)
+            if decision.rolls_back:
+                self.roll_back(decision, bad_step=stats.step)
+            elif self.checkpoints is not None and self.step % self.config.checkpoint_every == 0 \
+                    and self.step < self.schedule.total_steps:
+                self.save_checkpoint()
+        self.finish()
 
-    def clip_gradients(self) -> float:
-        """Clip to `grad_clip` by the global norm; returns the norm before clipping. A non-finite norm leaves the
-        gradients untouched: scaling by NaN would smear one layer's NaN over every layer and hide where it began
-        (the monitor names the groups whose gradients are not finite)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    def forward_backward(self) -> StepStats:
+        started, step = time.perf_counter(), self.step + 1
+        self.monitor.begin_step(self, step)
+        if self.faults is not None:
+            self.faults.begin_step(step)
+        micro_batches = self.batches.next_step()
+        self.objective.begin_step(micro_batches)
+        metrics, tokens, counts = [], 0, {}
+        for micro_batch in micro_batches:
+            with self.autocast():
+                out = self.objective(self.model, micro_batch)
+            out.loss.backward()
+            metrics.append(out.metrics)
+            tokens += out.tokens
+            for name, routed in out.expert_counts.items():
+                counts[name] = routed if name not in counts else counts[name] + routed
+        flush_main_grads(self.model)  # an output layer accumulating in grad_accum_dtype hands its gradient over
+        losses = {key: float(torch.stack([m[key] for m in metrics]).mean()) for key in metrics[0]}
+        return StepStats(step=step, lr=self.schedule.lr(self.step), losses=losses, tokens=tokens,
+                         expert_counts=counts, seconds=started)
+
+    def clip_gradients(self, stats: StepStats) -> None:
+        """Record the global and per-group gradient norms, then clip to `grad_clip` by the global norm. A non-finite
+        norm leaves the gradients untouched: scaling by NaN would smear one layer's NaN over every layer and hide
+        where it began (the monitor names the groups whose gradients are not finite)."""
+        named = [(name, p) for name, p in self.model.named_parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for _, p in named])
+        stats.group_grad_norms = group_norms([(name, p.grad) for name, p in named])
         if self.config.grad_clip and torch.isfinite(norm):
-            torch.nn.utils.clip_grads_with_norm_(params, self.config.grad_clip, norm)
-        return float(norm)
+            torch.nn.utils.clip_grads_with_norm_([p for _, p in named], self.config.grad_clip, norm)
+        stats.grad_norm = float(norm)
 
-    def log(self, metrics: dict) -> None:
-        if self.logger is not None:
-            self.logger.write(metrics)
+    def apply_update(self, stats: StepStats) -> None:
+        lr = stats.lr * (self.faults.lr_factor() if self.faults is not None else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.balance.update(self.model.router_biases())
+        if self.faults is not None:
+            self.faults.after_update(self.model)
+
+    def evaluate(self, due_only: bool) -> dict[str, float]:
+        values = {}
+        for evaluator in self.evaluators:
+            if not due_only or evaluator.due(self.step, self.schedule.total_steps):
+                values.update(evaluator.evaluate(self))
+        return values
+
+    # ---------------------------------------------------------------------------------------- start and end
+    def start(self) -> None:
+        self.model.train()
+        self.monitor.attach(self)
+        if self.faults is not None:
+            self.faults.attach(self.model)
+        for hook in self.hooks:
+            hook.on_train_start(self)
+        fresh = self.step == 0 and (self.checkpoints is None or not self.checkpoints.list())
+        if fresh and self.evaluators:
+            initial = self.evaluate(due_only=False)
+            for hook in self.hooks:
+                hook.on_initial_evaluation(self, initial)
+        if fresh and self.checkpoints is not None and self.monitor.config.enabled:
+            self.save_checkpoint(blocking=True)  # the first rollback target
+        elif not fresh and self.monitor.events is not None:
+            self.monitor.events.write(self.step, "monitor", "resume", f"resumed at step {self.step}")
+        self.mark_good_checkpoints()
+
+    def finish(self) -> None:
+        if self.checkpoints is not None:
+            self.save_checkpoint(blocking=True)
+        self.monitor.detach()
+        if self.faults is not None:
+            self.faults.detach()
+        for hook in self.hooks:
+            hook.on_train_end(self)
+
+    def mark_good_checkpoints(self) -> None:
+        if self.checkpoints is not None:
+            self.monitor.mark_good(self.checkpoints, self.step)
+
+    # ------------------------------------------------------------------------------------------- recovery
+    def roll_back(self, decision: Decision, bad_step: int) -> None:
+        """Carry out a rollback or anneal: restore the GOOD checkpoint, read on from the data after the window that
+        caused the trouble (it is never seen again), then apply the decision's LR scale, gradient-accumulation
+        dtype and anneal. Checkpoints newer than the target belong to the abandoned trajectory and are deleted
+        (otherwise `--resume` would pick them)."""
+        self.checkpoints.wait()
+        position = copy.deepcopy(self.batches.state_dict())  # just past the batches that caused the trouble
+        self.load_checkpoint(decision.target, rollback=True)
+        self.batches.load_state_dict(position)
+        discarded = [path.name for path in self.checkpoints.list() if step_of(path) > self.step]
+        for name in discarded:
+            shutil.rmtree(self.checkpoints.directory / name)
+        changes = []
+        if decision.lr_scale != 1.0:
+            self.adjustments["lr_scale"] *= decision.lr_scale
+            changes.append(f"LR x{self.adjustments['lr_scale']:g}")
+        if decision.grad_accum_dtype is not None:
+            changes.append(f"grad_accum_dtype {self.config.grad_accum_dtype} -> {decision.grad_accum_dtype}")
+            self.adjustments["grad_accum_dtype"] = decision.grad_accum_dtype
+        if decision.action == ANNEAL:
+            schedule = self.schedule
+            decay = decision.anneal_steps or max(schedule.total_steps - schedule.decay_start, 1)
+            schedule.anneal_now(self.step, min(self.step + decay, schedule.total_steps))
+            changes.append(f"decay starts now, run ends at step {schedule.total_steps}")
+        self.apply_adjustments()
+        for hook in self.hooks:
+            hook.on_rollback(self, bad_step, self.step, decision.rollback)
+        self.monitor.events.write(
+            bad_step, "monitor", "annealed" if decision.action == ANNEAL else "rolled_back",
+            f"step {bad_step} -> {decision.target.name}; skipped the data of steps {self.step + 1}-{bad_step}"
+            + (f"; {', '.join(changes)}" if changes else ""),
+            target_step=self.step, rollback=decision.rollback, discarded_checkpoints=discarded,
+            lr_scale=self.adjustments["lr_scale"], grad_accum_dtype=self.config.grad_accum_dtype,
+            total_steps=self.schedule.total_steps)
+
+    def apply_adjustments(self) -> None:
+        self.schedule.peak_lr = self.config.lr * self.adjustments["lr_scale"]
+        dtype = self.adjustments["grad_accum_dtype"]
+        if dtype is not None and dtype != self.config.grad_accum_dtype:
+            self.config = dataclasses.replace(self.config, grad_accum_dtype=dtype)
+            set_output_accumulation(self.model, dtype)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def tensor_state(self) -> dict:
@@ -113,8 +240,13 @@ class Trainer:
         return {
             "step": self.step,
             "schedule": self.schedule.state_dict(),
-            "loader": self.loader.state_dict(),
-            "hooks": self.hooks.state_dict(),
+            "batches": self.batches.state_dict(),
+            "balance": self.balance.state_dict(),
+            "monitor": self.monitor.state_dict(),
+            "faults": self.faults.state_dict() if self.faults is not None else {},
+            "adjustments": dict(self.adjustments),
+            "hooks": {type(hook).__name__: hook.state_dict() for hook in self.hooks},
+            "evaluators": {type(e).__name__: e.state_dict() for e in self.evaluators},
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                     "stochastic_rounding": sr_generator_states(self.model)},
         }
@@ -122,16 +254,29 @@ class Trainer:
     def save_checkpoint(self, blocking: bool = False):
         return self.checkpoints.save(self.step, self.tensor_state(), self.trainer_state(), blocking=blocking)
 
-    def load_checkpoint(self, path) -> None:
-        self.checkpoints.wait()
+    def load_checkpoint(self, path, *, rollback: bool = False) -> None:
+        """Restore everything a checkpoint holds. `rollback`: keep what the run has been through (the monitor's
+        history of rollbacks, the adjustments they made) instead of the checkpoint's older record of it."""
+        if self.checkpoints is not None:
+            self.checkpoints.wait()
         tensors = self.tensor_state()
-        state = self.checkpoints.load(path, tensors)
+        state = CheckpointManager.load(path, tensors)
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optimizer"])
         self.step = state["step"]
         self.schedule.load_state_dict(state["schedule"])
-        self.loader.load_state_dict(state["loader"])
-        self.hooks.load_state_dict(state["hooks"])
+        self.batches.load_state_dict(state["batches"])
+        self.balance.load_state_dict(state["balance"])
+        self.monitor.load_state_dict(state["monitor"], keep_history=rollback)
+        if self.faults is not None:
+            self.faults.load_state_dict(state["faults"])
+        if not rollback:  # a resumed run keeps what its rollbacks changed
+            self.adjustments = dict(state["adjustments"])
+            self.apply_adjustments()
+        for owner, states in ((self.hooks, state["hooks"]), (self.evaluators, state["evaluators"])):
+            for item in owner:
+                if type(item).__name__ in states:
+                    item.load_state_dict(states[type(item).__name__])
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])

@@ -116,17 +116,16 @@ class _LossLog(Hook):
     def __init__(self):
         self.rows: list[dict] = []
 
-    def on_step_end(self, trainer, metrics):
-        self.rows.append({k: metrics[k] for k in metrics if k in ("step", "loss", "lm_loss", "grad_norm")
-                          or k.startswith("mtp_loss_")})
+    def on_step_end(self, trainer, stats, decision):
+        self.rows.append({"step": stats.step, **stats.losses, "grad_norm": stats.grad_norm})
 
 
 def run_arm(arm: Arm, checkpoint: Path, run_config, loader, steps: int, progress=None) -> list[dict]:
     """Load ``checkpoint`` into a fresh model converted for ``arm``; train ``steps`` steps; per-step losses."""
-    from hybridtron.checkpoint.dcp import CheckpointManager
     from hybridtron.model.lm import HybridLM
     from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
     from hybridtron.train.loop import Trainer
+    from hybridtron.train.objectives import LoaderBatches, PretrainObjective
 
     train = run_config.train
     model_config = run_config.model
@@ -140,13 +139,11 @@ def run_arm(arm: Arm, checkpoint: Path, run_config, loader, steps: int, progress
     arm_train = dataclasses.replace(train, precision="bf16" if arm.recipe == "bf16-autocast" else "fp32")
     log = _LossLog()
     hooks = [log] + ([progress] if progress is not None else [])
-    checkpoints = CheckpointManager(checkpoint.parent, keep=10 ** 9)  # loads only: never saves or prunes
-    try:
-        trainer = Trainer(model, loader, arm_train, hooks, checkpoints)
-        trainer.load_checkpoint(checkpoint)
-        trainer.train(until=trainer.step + steps)
-    finally:
-        checkpoints.close()
+    # no checkpoint manager: the arm loads the fork point and never saves
+    trainer = Trainer(model, PretrainObjective(), LoaderBatches(loader, train.grad_accum), arm_train, None,
+                      hooks=hooks)
+    trainer.load_checkpoint(checkpoint)
+    trainer.train(until=trainer.step + steps)
     return log.rows
 
 
@@ -233,8 +230,8 @@ class _Progress(Hook):
     def __init__(self, label: str):
         self.label = label
 
-    def on_step_end(self, trainer, metrics):
-        print(f"\r  {self.label}: step {metrics['step']} lm_loss {metrics['lm_loss']:.4f}", end="", file=sys.stderr)
+    def on_step_end(self, trainer, stats, decision):
+        print(f"\r  {self.label}: step {stats.step} lm_loss {stats.losses['lm_loss']:.4f}", end="", file=sys.stderr)
 
     def on_train_end(self, trainer):
         print(file=sys.stderr)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from hybridtron.cli import main as cli_main
-from hybridtron.numerics.branch import (Arm, block_standard_error, gap_summary, parse_arm, relative_gap,
+from hybridtron.experiments.branch import (Arm, block_standard_error, gap_summary, parse_arm, relative_gap,
                                        resolve_checkpoint)
 from hybridtron.train.config import TrainConfig
 

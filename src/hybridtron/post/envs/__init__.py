@@ -1,0 +1,19 @@
+"""Environments for RL with verifiable rewards and for SFT data: one small interface, a registry, and two
+built-ins, `math` (exact-value grading in child processes) and `code` (hidden unit tests in a sandbox).
+
+    env = get_env("math", levels=(1, 2))
+    tasks = env.tasks("train", 64, seed=0)
+    rewards = env.rewards(tasks, completions)       # floats in [0, 1]
+    write_jsonl("sft.jsonl", env.sft_examples(1000))
+
+Write your own: subclass `Environment`, implement `generate(rng) -> Task` (or `tasks`) and `reward`, and
+decorate it with `@register("name")`.
+"""
+
+from hybridtron.post.envs.base import (SPLITS, Environment, Task, assistant_turn, env_names, get_env, register,
+                                       split_of, write_jsonl)
+from hybridtron.post.envs.code import CodeEnv
+from hybridtron.post.envs.math import MathEnv
+
+__all__ = ["SPLITS", "CodeEnv", "Environment", "MathEnv", "Task", "assistant_turn", "env_names", "get_env",
+           "register", "split_of", "write_jsonl"]

@@ -1,0 +1,55 @@
+"""Evaluators: what the trainer measures on held-out data at step 0, every `every` steps and at the end.
+
+An evaluator returns named values for the step's metrics line and keeps its history (its `state_dict`), so the
+first and last values of a resumed run are those of the whole run. `ValidationLoss` is the held-out next-token CE
+(no MTP) that pretraining and SFT report.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Evaluator:
+    every: int
+
+    def evaluate(self, trainer) -> dict[str, float]:
+        raise NotImplementedError
+
+    def due(self, step: int, total_steps: int) -> bool:
+        return step % self.every == 0 or step == total_steps
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+class ValidationLoss(Evaluator):
+    """Mean `lm_loss` (CE of the next token, the MTP depths apart) over fixed validation batches."""
+
+    key = "val_loss"
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], every: int):
+        self.batches, self.every = batches, every
+        self.history: list[tuple[int, float]] = []
+
+    @torch.no_grad()
+    def evaluate(self, trainer) -> dict[str, float]:
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        total = 0.0
+        for input_ids, labels in self.batches:
+            with trainer.autocast():
+                total += float(model(input_ids, labels, mtp=False).lm_loss)
+        model.train(was_training)
+        value = total / len(self.batches)
+        self.history.append((trainer.step, value))
+        return {self.key: value}
+
+    def state_dict(self):
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state):
+        self.history = [tuple(x) for x in state["history"]]

@@ -1,0 +1,185 @@
+"""Run directories and sectioned configurations: what every training command (`hybridtron pretrain`,
+`hybridtron sft`, ...) does the same way.
+
+A run directory holds everything its run makes: `run_config.json` (the resolved configuration, which `--config`
+reads back), `metrics.jsonl`, `events.jsonl`, `checkpoints/` (DCP) and `hf/` (the final model). Its rules:
+
+- a run that trained to its last step and wrote its HF export is complete: the same command again says so and
+  where the outputs are, and changes nothing;
+- a directory holding checkpoints of an unfinished run is continued only with `--resume`: never overwritten,
+  never continued silently;
+- `--resume` restores the latest complete checkpoint (an incomplete one, left by a crash in the middle of a save,
+  is removed first); an explicit `--steps N` replans the schedule to N steps, to extend a run.
+
+Configurations are sections of frozen dataclasses (`[train]`, `[monitor]`, ...), read from defaults, then a TOML
+file, then `--set SECTION.FIELD=VALUE` overrides, each value parsed by the type of the field it names
+(`merge_sections`).
+
+Command modules build their parsers from this module, so its top-level imports stay light (no torch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+RUN_CONFIG = "run_config.json"
+
+
+# --------------------------------------------------------------------------------------------- arguments
+def add_run_arguments(parser, *, sections: str, set_example: str, default_steps: int,
+                      config_default: str = "the defaults", quiet_help: str = "no progress bar") -> None:
+    """The options every training command has: --out, --steps, --config, --set, --resume, --print-config,
+    --quiet. `sections` names the config file's sections for the help text, e.g. "[train] and [monitor]"."""
+    parser.add_argument("--out", help="run directory; created, and holds the checkpoints, metrics and HF export "
+                                      "(required unless --print-config)")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps (default: the config's, {default_steps}; same "
+                                                  f"as --set train.steps=N)")
+    parser.add_argument("--config", help=f"a TOML file with {sections} sections, or a run's run_config.json "
+                                         f"(default: none, {config_default})")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help=f"override one field, e.g. {set_example} (repeatable)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its latest complete checkpoint (default: start anew)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved configuration as TOML (which --config accepts) and exit")
+    parser.add_argument("--quiet", action="store_true", help=quiet_help)
+
+
+def step_overrides(args) -> list[str]:
+    """`--set` overrides, then `--steps` as `train.steps=N`."""
+    return list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+
+
+def saved_config_file(args) -> Path:
+    """`--resume`: the run config of the run in `--out`, which must exist."""
+    if not args.out:
+        raise ValueError("--resume needs --out: the run directory to continue")
+    path = Path(args.out) / RUN_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: nothing to resume (no run config in --out)")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ configuration
+def read_toml_sections(path: str | Path, sections: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """The sections of a TOML config file; a missing file, invalid TOML or an unknown section is a ValueError
+    (FileNotFoundError for the first) that names the file."""
+    from hybridtron.train.config import tomllib
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: config file not found")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: invalid TOML ({exc})") from None
+    for section, values in raw.items():
+        if section not in sections or not isinstance(values, dict):
+            raise ValueError(f"{path}: unknown section [{section}]; expected "
+                             f"{', '.join(f'[{s}]' for s in sections)}")
+    return raw
+
+
+def merge_sections(base: dict[str, Any], toml_path: str | Path | None = None, overrides: list[str] = (), *,
+                   fixed: dict[str, str] | None = None) -> dict[str, Any]:
+    """`base` (section name -> frozen dataclass) with a TOML file's values, then `--set` overrides, applied; each
+    section is rebuilt by `_build` and validated by its `validate()` if it has one. `fixed`: sections that neither
+    may change, each with the reason its error gives."""
+    from hybridtron.train.config import _build, _plain, parse_override
+
+    fixed = fixed or {}
+    names = tuple(base) + tuple(name for name in fixed if name not in base)
+    changes: dict[str, dict[str, Any]] = {name: {} for name in names}
+    if toml_path is not None:
+        for section, values in read_toml_sections(toml_path, names).items():
+            if section in fixed and values:
+                raise ValueError(f"{toml_path}: [{section}] cannot be set here: {fixed[section]}")
+            changes[section].update(values)
+    for text in overrides:
+        section, name, value = parse_override(text)
+        if section in fixed:
+            raise ValueError(f"--set {text!r}: {section}.{name} cannot be set: {fixed[section]}")
+        if section not in base:
+            raise ValueError(f"--set {text!r}: unknown section {section!r}; expected {', '.join(base)}")
+        changes[section][name] = value
+    merged = {}
+    for section, obj in base.items():
+        merged[section] = _build(type(obj), {**_plain(obj), **changes[section]}, section)
+        if hasattr(merged[section], "validate"):
+            merged[section].validate()
+    return merged
+
+
+def sections_toml(sections: dict[str, Any]) -> str:
+    """Sections of frozen dataclasses as TOML that `read_toml_sections` reads back to the same values."""
+    from hybridtron.train.config import _toml_value
+
+    parts = []
+    for name, obj in sections.items():
+        parts.append(f"[{name}]")
+        parts += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
+        parts.append("")
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def finished_run(out: Path, config, checkpoints, load_config: Callable[[Path], Any]) -> bool:
+    """`out` holds a run of this configuration that trained to its last step and wrote its HF export."""
+    from hybridtron.checkpoint.dcp import step_of
+
+    latest = checkpoints.latest()
+    if latest is None or not (out / "hf" / "config.json").is_file() or not (out / RUN_CONFIG).is_file():
+        return False
+    return load_config(out / RUN_CONFIG) == config and step_of(latest) >= config.train.steps
+
+
+def train_in_run_dir(args, config, build: Callable, load_config: Callable[[Path], Any]):
+    """Train `config` in `args.out` by the rules of the module docstring. `build(out, checkpoints)` returns
+    `(trainer, extra)`; this returns the same pair once the trainer has trained, or None when the run in `out` was
+    already complete (which it says). `config` needs `save(path)`, equality and `train.steps` /
+    `train.keep_checkpoints`; `load_config(path)` reads a saved one back."""
+    from hybridtron.checkpoint.dcp import CheckpointManager
+
+    if not args.out:
+        raise ValueError("--out is required: the run directory to create (e.g. --out runs/mine)")
+    out = Path(args.out)
+    checkpoints = CheckpointManager(out / "checkpoints", keep=config.train.keep_checkpoints)
+    try:
+        latest = checkpoints.latest() if args.resume else None
+        if args.resume and latest is None:
+            raise FileNotFoundError(f"{out / 'checkpoints'}: no complete checkpoint to resume from")
+        if finished_run(out, config, checkpoints, load_config):
+            print(f"{out}: this run is complete ({config.train.steps} steps); nothing to do.\n"
+                  f"checkpoints: {checkpoints.directory}\nmetrics:     {out / 'metrics.jsonl'}\n"
+                  f"HF export:   {out / 'hf'}\n(to train further: --resume --steps N with a larger N; for a new "
+                  f"run: another --out)")
+            return None
+        if not args.resume and checkpoints.list():
+            raise ValueError(f"{out}: holds an unfinished run (checkpoint {checkpoints.latest().name}); pass --resume "
+                             f"to continue it, or choose another --out for a new run")
+        out.mkdir(parents=True, exist_ok=True)
+        config.save(out / RUN_CONFIG)
+        trainer, extra = build(out, checkpoints)
+        if latest is not None:
+            checkpoints.remove_incomplete()
+            trainer.load_checkpoint(latest)
+            if args.steps is not None and args.steps != trainer.schedule.total_steps:
+                # an explicit --steps on resume replans the schedule to the new total (e.g. to extend a run)
+                trainer.schedule = trainer.new_schedule()
+            print(f"resumed from {latest} (step {trainer.step})", file=sys.stderr)
+        trainer.train()
+    finally:
+        checkpoints.close()
+    return trainer, extra
+
+
+def print_summary(trainer, out: Path, hf_dir: Path) -> None:
+    """The validation loss at the start and the end of the run, and where its outputs are."""
+    history = trainer.evaluators[0].history if trainer.evaluators else []
+    if history:
+        first, last = history[0][1], history[-1][1]
+        print(f"validation loss {first:.3f} -> {last:.3f} ({last / first:.0%} of step 0)")
+    print(f"checkpoints: {out / 'checkpoints'}\nmetrics:     {out / 'metrics.jsonl'}\nHF export:   {hf_dir}")

@@ -1,0 +1,73 @@
+"""What one optimizer step measured: `StepStats`, the typed record that the monitor and the hooks read.
+
+The trainer fills it in this order: the objective's losses and metrics (averaged over the step's micro-batches),
+the tokens, every router's expert counts, the gradient norms before clipping (global and per parameter group),
+then the signals, and the held-out evaluations that are due. `record()` flattens it into the one line per step of
+metrics.jsonl; the keys are stable:
+
+    step, lr, loss, lm_loss, mtp_loss_<d>, ...   the objective's metrics (pretraining: CE + MTP, CE, each depth)
+    grad_norm                                    global L2 norm of the gradients, before clipping
+    wgrad_norm/<group>                           per group: embeddings, layer.<i>, norm_f, lm_head, mtp
+    tokens, tokens_per_s
+    maxvio/<router>, ...                         signals (see hybridtron.train.balance, hybridtron.train.monitor)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StepStats:
+    step: int  # the step this is (counted from 1)
+    lr: float
+    losses: dict[str, float]  # the objective's metrics, averaged over the micro-batches
+    tokens: int  # tokens the step trained on
+    expert_counts: dict[str, torch.Tensor]  # router name -> tokens routed to each expert [E], summed over the step
+    grad_norm: float = math.nan  # global, before clipping
+    group_grad_norms: dict[str, float] = field(default_factory=dict)  # per parameter group, before clipping
+    seconds: float = 0.0  # wall time of forward, backward and update
+    signals: dict[str, float] = field(default_factory=dict)  # measured by the balance and the monitor
+    evaluation: dict[str, float] = field(default_factory=dict)  # held-out results, on the steps they are due
+    events: list[str] = field(default_factory=list)  # "detector:action" of what the monitor decided on this step
+
+    def record(self) -> dict:
+        """The step's metrics.jsonl line."""
+        line = {"step": self.step, **self.losses, "lr": self.lr, "grad_norm": self.grad_norm,
+                **{f"wgrad_norm/{group}": value for group, value in self.group_grad_norms.items()},
+                "tokens": self.tokens, "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+                **self.signals, **self.evaluation}
+        if self.events:
+            line["events"] = list(self.events)
+        return line
+
+
+def parameter_group(name: str) -> str:
+    """`backbone.layers.3.mixer.in_proj.weight` -> `layer.3`; lm_head, embeddings, norm_f, mtp on their own."""
+    parts = name.split(".")
+    if parts[0] == "backbone":
+        return f"layer.{parts[2]}" if parts[1] == "layers" else parts[1]
+    return parts[0]
+
+
+def group_norms_ref(named_grads: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Per-group L2 norm of the gradients: the plain loop that defines `group_norms`."""
+    squares: dict[str, float] = {}
+    for name, grad in named_grads:
+        group = parameter_group(name)
+        squares[group] = squares.get(group, 0.0) + float(grad.double().pow(2).sum())
+    return {group: math.sqrt(value) for group, value in squares.items()}
+
+
+def group_norms(named_grads: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+    """Per-group L2 norm: one fused norm over every gradient, a scatter-add of the squares, one host sync."""
+    if not named_grads:
+        return {}
+    groups = list(dict.fromkeys(parameter_group(name) for name, _ in named_grads))
+    norms = torch.stack(torch._foreach_norm([grad for _, grad in named_grads])).double()
+    index = torch.tensor([groups.index(parameter_group(name)) for name, _ in named_grads], device=norms.device)
+    values = norms.new_zeros(len(groups)).index_add_(0, index, norms.pow(2)).sqrt()
+    return dict(zip(groups, values.tolist()))
