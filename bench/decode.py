@@ -8,7 +8,8 @@ Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Thre
    dt_bias is shifted up so that transformers' prefill clamp at time_step_min (SPEC-model.md) does not change the
    function; the two must emit the same greedy tokens before anything counts. hybridtron is timed twice: eager,
    and with the compiled decode step (`Decoder(compile=True)`), whose first run compiles (its elapsed time is
-   printed apart; the per-token times are of runs after it).
+   printed apart; the per-token times are of runs after it). Every hybridtron model here is laid out for decoding
+   first (`fastpath.lay_out_for_decoding`), as an engine does when it loads a checkpoint.
 2. `speculative`: a tiny model trained here, briefly, from scratch (120 AdamW steps of 8 x 64 tokens, next-token
    loss only, so the MTP block keeps its random init) on a synthetic order-1 Markov chain (each token has one likely
    successor, p = 0.9, else a uniform token); then its MTP block is boosted (`hybridtron.post.mtp_boost`: backbone
@@ -19,11 +20,17 @@ Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Thre
    models (Nano: 52 layers, Ultra: 108) than the 8 of `tiny`. Plain and speculative greedy outputs must be
    identical. Sampling at temperature 1 is measured too (its speculative output differs from plain sampling's
    draw by draw, not in distribution).
+2b. `checkpoint` (when asked): speculative against plain decoding on a trained checkpoint with real text (the
+   quickstart's, `--checkpoint`): standard-library source as prompts, greedy, batch 1, by draft length 1..
+   `--max-draft` and with the adaptive default (`draft_length=None`), eager and (`--compiled`) compiled, every
+   variant's greedy tokens identical to plain decoding's; then where an eager step's time goes by phase, and what
+   a T-token forward and the lm_head's M-row product cost against one token (why verification is not free).
+2c. `threads` (when asked): plain decoding of that checkpoint at 1 and 2 intra-op threads, batch 1 and 8.
 3. `context`: per-token decode time after a prompt of 1K and 16K tokens (`--contexts`), for the `tiny` hybrid (3 Mamba layers,
    1 attention) and an all-attention model of the same width and depth (every Mamba layer replaced by attention).
    The hybrid's time should stay nearly flat; attention reads a KV cache that grows with the context.
 4. `drift` (only when asked): KL of a lower-precision SSM state to the fp32 state over a long teacher-forced
-   decode of the trained bench model (`hybridtron.infer.cache.state_quant_drift`).
+   decode of the trained bench model (`hybridtron.infer.decoder.state_quant_drift`).
 
 Each measurement is repeated, the variants of a section back to back in each repetition, and the tables report the
 fastest repetition: on a shared machine other processes only ever add time, so the minimum is the estimate least
@@ -33,6 +40,8 @@ CPU time instead of the elapsed time (BENCHMARKS.md's decode numbers were taken 
     python bench/decode.py                                   # sections hf, speculative, context; 2 threads, wall
     python bench/decode.py --clock cpu --threads 1 --trained /tmp/bench-model   # keep the trained model for reruns
     python bench/decode.py --sections drift --trained /tmp/bench-model
+    OMP_NUM_THREADS=1 python bench/decode.py --sections checkpoint threads --checkpoint /tmp/quickstart/hf \
+        --threads 1 --clock cpu --compiled
 """
 
 from __future__ import annotations
@@ -46,13 +55,15 @@ import torch
 
 from hybridtron.checkpoint import load_pretrained, save_pretrained
 from hybridtron.config import ATTENTION, MAMBA, ModelConfig, bench22m, parse_pattern, tiny
-from hybridtron.infer.cache import state_quant_drift
-from hybridtron.infer.generate import Decoder, generate
+from hybridtron.infer.decoder import Decoder, state_quant_drift
+from hybridtron.infer.engine import generate_tokens
+from hybridtron.infer.fastpath import lay_out_for_decoding
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.speculative import SpeculativeDecoder
 from hybridtron.infer.state_quant import MODES
 from hybridtron.model.lm import HybridLM
-from hybridtron.post.mtp_boost import BoostConfig, boost_mtp
+from hybridtron.post.mtp_boost import BoostConfig
+from hybridtron.post.mtp_boost.training import boost_mtp
 
 import clock
 from clock import timed
@@ -81,10 +92,11 @@ def bench_against_transformers(name: str, config: ModelConfig, tokens: int, repe
         save_pretrained(ours, directory)
         ours = load_pretrained(directory).eval()
         theirs = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    lay_out_for_decoding(ours)
     prompt = torch.randint(3, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
 
     def run_ours(n, compile=False):
-        return generate(ours, prompt.tolist(), greedy(n), compile=compile)[0]
+        return generate_tokens(ours, prompt.tolist(), greedy(n), compile=compile)[0]
 
     @torch.no_grad()
     def run_theirs(n):
@@ -211,6 +223,7 @@ def trained_bench_model(args, log) -> tuple[HybridLM, str]:
 
 def bench_speculative(args, log) -> tuple[str, HybridLM]:
     model, record = trained_bench_model(args, log)
+    lay_out_for_decoding(model)
     prompt = markov_chain(model.config.vocab_size, 1, 16, 0.9, seed=30_000)[0].tolist()
     modes = {"greedy": greedy(args.tokens), "T = 1": SamplingParams(temperature=1.0, max_tokens=args.tokens, seed=0)}
     variants = [None, *range(1, 8)]  # plain, then k = 1..7
@@ -249,6 +262,241 @@ def bench_speculative(args, log) -> tuple[str, HybridLM]:
     return "\n".join(lines), model
 
 
+# ------------------------------------------------------------------------------- 2b. real text on a checkpoint
+STDLIB_MODULES = ("json.decoder", "textwrap", "collections", "argparse", "functools", "string")
+
+
+def stdlib_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
+    """The first `tokens` tokens of the source of `count` standard-library modules."""
+    import importlib
+    import inspect
+
+    prompts = []
+    for name in STDLIB_MODULES[:count]:
+        source = inspect.getsource(importlib.import_module(name))
+        prompts.append(tokenizer.encode(source[:tokens * 8])[:tokens])
+    return prompts
+
+
+def timed_decode(model, prompt: list[int], params: SamplingParams, variant, compile: bool, max_draft: int):
+    """(seconds of the decode after the prefill, tokens, the decoder) for variant None (plain), an int k, or
+    "adaptive"."""
+    if variant is None:
+        decoder = Decoder(model, [prompt], params, compile=compile)
+    else:
+        draft = None if variant == "adaptive" else variant
+        decoder = SpeculativeDecoder(model, [prompt], params, draft_length=draft, max_draft_length=max_draft,
+                                     compile=compile)
+
+    def run():
+        for _ in decoder:
+            pass
+    seconds = timed(run)
+    return seconds, decoder.sequences[0].tokens, decoder
+
+
+def verification_costs(model, max_tokens: int, compiled: bool, repeats: int) -> list[float]:
+    """Time of one backbone forward over T = 1..max_tokens tokens (batch 1, 200 positions cached), relative to T = 1:
+    what verifying k drafts costs against one plain step, eager or compiled (the static forms)."""
+    from hybridtron.infer import fastpath, steps
+    from hybridtron.infer.cache import HybridCache
+    from hybridtron.infer.decoder import compile_static
+
+    cache = HybridCache.allocate(model.config, 1, 512)
+    cache.lengths += 200
+    times = []
+    with torch.inference_mode():
+        for tokens in range(1, max_tokens + 1):
+            ids = torch.full((1, tokens), 5, dtype=torch.long)
+            if compiled:
+                fn = compile_static(steps.forward_tokens)
+
+                def step():
+                    fn(model, ids, cache, [])
+                    cache.lengths -= tokens
+            else:
+                def step():
+                    fastpath.forward(model, ids, cache, record=tokens > 1)
+                    cache.recorded.clear()
+                    cache.lengths -= tokens
+            step()
+            times.append(min(timed(lambda: [step() for _ in range(20)]) / 20 for _ in range(repeats)))
+    return [t / times[0] for t in times]
+
+
+def lm_head_costs(model, max_rows: int, repeats: int) -> list[float]:
+    """Time of the lm_head's product for M = 1..max_rows rows, relative to M = 1 (eager: MKL's GEMM)."""
+    times = []
+    with torch.inference_mode():
+        for rows in range(1, max_rows + 1):
+            x = torch.randn(rows, model.config.hidden_size)
+            times.append(min(timed(lambda: [model.lm_head(x) for _ in range(50)]) / 50 for _ in range(repeats)))
+    return [t / times[0] for t in times]
+
+
+class TimedForms:
+    """`FastForms` whose calls are timed by phase (the `profile` table of the checkpoint section)."""
+
+    def __init__(self, forms, totals):
+        self.forms, self.totals = forms, totals
+
+    def __getattr__(self, name):
+        method = getattr(self.forms, name)
+        phase = {"catch_up": "catch-up", "chain": "draft chain", "end_chain": "draft chain",
+                 "verify": "verification forward", "rewind": "rollback"}[name]
+
+        def timed_call(*args, **kwargs):
+            started = clock._selected()
+            out = method(*args, **kwargs)
+            self.totals[phase] = self.totals.get(phase, 0.0) + clock._selected() - started
+            return out
+        return timed_call
+
+
+def phase_profile(model, prompt: list[int], params: SamplingParams, k: int) -> tuple[dict[str, float], float, float]:
+    """Where a speculative step's time goes, eager: ms per step by phase, the ms of a whole step, and of a plain
+    step (the drafts' lm_head and token choice, acceptance and bookkeeping are the step's rest)."""
+    totals: dict[str, float] = {}
+    decoder = SpeculativeDecoder(model, [prompt], params, draft_length=k)
+    decoder.batch.forms = TimedForms(decoder.batch.forms, totals)
+    whole = timed(lambda: [None for _ in decoder])
+    steps_run = decoder.stats.steps
+    plain = Decoder(model, [prompt], params)
+    plain_s = timed(lambda: [None for _ in plain]) / max(len(plain.sequences[0].tokens) - 1, 1)
+    return {name: value / steps_run * 1e3 for name, value in totals.items()}, whole / steps_run * 1e3, plain_s * 1e3
+
+
+def bench_checkpoint(args, log) -> str:
+    """Plain against speculative decoding by draft length, and the adaptive default, on a trained checkpoint with
+    real text: standard-library source as prompts, greedy, batch 1, eager and (with --compiled) compiled."""
+    from hybridtron.data.tokenizer import Tokenizer
+    from hybridtron.infer.engine import resolve_checkpoint_dir
+
+    directory, name = resolve_checkpoint_dir(args.checkpoint)
+    model = load_pretrained(directory).eval()
+    lay_out_for_decoding(model)
+    prompts = stdlib_prompts(Tokenizer.load(directory / "tokenizer.json"), args.prompts, args.prompt_tokens)
+    params = greedy(args.checkpoint_tokens)
+    variants = [None, *range(1, args.max_draft + 1), "adaptive"]
+    modes = ["eager", "compiled"] if args.compiled else ["eager"]
+    best = {(mode, v, p): float("inf") for mode in modes for v in variants for p in range(len(prompts))}
+    tokens, acceptance, chosen = {}, {}, {}
+    for mode in modes:
+        if mode == "compiled":  # compile every graph before anything is timed
+            log("  compiling ...")
+            for variant in variants:
+                timed_decode(model, prompts[0], params, variant, True, args.max_draft)
+    for repeat in range(args.repeats):
+        log(f"  repeat {repeat + 1}/{args.repeats}")
+        for p, prompt in enumerate(prompts):
+            for mode in modes:
+                for variant in variants:  # back to back, so a slow moment of the machine hits all of them alike
+                    seconds, out, decoder = timed_decode(model, prompt, params, variant, mode == "compiled",
+                                                         args.max_draft)
+                    best[mode, variant, p] = min(best[mode, variant, p], seconds)
+                    if variant is None:
+                        tokens[mode, p] = out
+                        if mode == "compiled" and out != tokens["eager", p]:
+                            raise RuntimeError(f"prompt {p}: compiled greedy output differs from eager")
+                    elif out != tokens[mode, p]:
+                        raise RuntimeError(f"{mode} {variant}, prompt {p}: speculative greedy output differs from "
+                                           f"plain decoding")
+                    if variant is not None:
+                        acceptance[mode, variant, p] = decoder.stats.mean_acceptance_length
+                        if variant == "adaptive":
+                            chosen[mode, p] = dict(sorted(decoder.batch.controller.current.items()))
+    total = sum(len(tokens["eager", p]) for p in range(len(prompts)))
+    lines = [f"Checkpoint `{name}` ({directory}); {len(prompts)} prompts of {args.prompt_tokens} tokens of standard-"
+             f"library source ({', '.join(STDLIB_MODULES[:len(prompts)])}), greedy, batch 1, "
+             f"{args.checkpoint_tokens} tokens each; fastest of {args.repeats} repetitions per prompt, all variants "
+             f"back to back; greedy speculative output identical to plain for every variant"
+             + (" and compiled identical to eager." if args.compiled else "."), "",
+             "| decoding | " + " | ".join(f"{m} tok/s | {m} speedup | {m} acceptance" for m in modes) + " |",
+             "|---|" + "---:|" * (3 * len(modes))]
+    rates = {}
+    for variant in variants:
+        label = "plain" if variant is None else ("adaptive (the default)" if variant == "adaptive"
+                                                 else f"speculative, k = {variant}")
+        cells = []
+        for mode in modes:
+            seconds = sum(best[mode, variant, p] for p in range(len(prompts)))
+            rates[mode, variant] = total / seconds
+            speedup = rates[mode, variant] / rates.get((mode, None), rates[mode, variant])
+            acc = "-" if variant is None else \
+                f"{sum(acceptance[mode, variant, p] for p in range(len(prompts))) / len(prompts):.2f}"
+            cells.append(f"{rates[mode, variant]:.1f} | {speedup:.2f}x | {acc}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for mode in modes:
+        fixed = [v for v in variants if isinstance(v, int)]
+        top = max(fixed, key=lambda v: rates[mode, v])
+        goal = 1.8 if mode == "eager" else 1.5
+        speedup = rates[mode, top] / rates[mode, None]
+        lines.append(f"best, {mode}: k = {top}, {speedup:.2f}x over {mode} plain (goal >= {goal}x: "
+                     f"{'met' if speedup >= goal else 'MISSED'}); adaptive {rates[mode, 'adaptive'] / rates[mode, None]:.2f}x, "
+                     f"its last draft length per prompt: {[chosen[mode, p].get(1) for p in range(len(prompts))]}")
+    per_prompt = [f"{p}: " + ", ".join(f"k={v} {acceptance['eager', v, p]:.2f}" for v in variants[1:-1])
+                  for p in range(len(prompts))]
+    lines += ["", "Acceptance length by prompt (eager): " + "; ".join(per_prompt)]
+    lines += ["", "Where an eager speculative step's time goes (ms per step, the first prompt; the rest is the drafts' "
+              "lm_head and token choice, acceptance and bookkeeping):", "",
+              "| k | catch-up | draft chain | verification forward | rollback | rest | whole step | plain step | "
+              "step / plain |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for k in (1, 2, args.max_draft):
+        phases, whole, plain = min((phase_profile(model, prompts[0], params, k) for _ in range(args.repeats)),
+                                   key=lambda r: r[1])
+        rest = whole - sum(phases.values())
+        lines.append(f"| {k} | {phases.get('catch-up', 0):.2f} | {phases.get('draft chain', 0):.2f} | "
+                     f"{phases.get('verification forward', 0):.2f} | {phases.get('rollback', 0):.2f} | {rest:.2f} | "
+                     f"{whole:.2f} | {plain:.2f} | {whole / plain:.2f}x |")
+    eager_costs = verification_costs(model, args.max_draft + 1, False, args.repeats)
+    head = lm_head_costs(model, args.max_draft + 1, args.repeats)
+    lines += ["", "What a verification costs: one backbone forward over T tokens against one token (batch 1), and the "
+              "lm_head's product alone for M rows against one (eager; MKL's fp32 GEMM):", "",
+              "| T | " + " | ".join(str(t) for t in range(1, args.max_draft + 2)) + " |",
+              "|---|" + "---:|" * (args.max_draft + 1),
+              "| eager forward | " + " | ".join(f"{c:.2f}x" for c in eager_costs) + " |"]
+    if args.compiled:
+        compiled_costs = verification_costs(model, args.max_draft + 1, True, args.repeats)
+        lines.append("| compiled forward | " + " | ".join(f"{c:.2f}x" for c in compiled_costs) + " |")
+    lines.append("| lm_head GEMM | " + " | ".join(f"{c:.2f}x" for c in head) + " |")
+    return "\n".join(lines)
+
+
+def bench_threads(args, log) -> str:
+    """Plain greedy decoding on the checkpoint at 1 and 2 intra-op threads, batch 1 and 8, elapsed time (threads
+    only help a clock that counts elapsed time): whether a small batch should decode on one thread."""
+    from hybridtron.data.tokenizer import Tokenizer
+    from hybridtron.infer.engine import resolve_checkpoint_dir
+
+    directory, name = resolve_checkpoint_dir(args.checkpoint)
+    model = load_pretrained(directory).eval()
+    lay_out_for_decoding(model)
+    prompts = stdlib_prompts(Tokenizer.load(directory / "tokenizer.json"), 4, args.prompt_tokens)
+    params = greedy(args.checkpoint_tokens)
+    best = {}
+    threads = sorted({1, 2, torch.get_num_threads()})
+    for repeat in range(args.repeats):
+        log(f"  threads, repeat {repeat + 1}/{args.repeats}")
+        for batch in (1, 8):
+            rows = [prompts[b % len(prompts)] for b in range(batch)]
+            for count in threads:
+                torch.set_num_threads(count)
+                decoder = Decoder(model, rows, params)
+                started = time.perf_counter()
+                for _ in decoder:
+                    pass
+                rate = sum(len(s.tokens) for s in decoder.sequences) / (time.perf_counter() - started)
+                best[batch, count] = max(best.get((batch, count), 0.0), rate)
+    torch.set_num_threads(args.threads)
+    lines = [f"Plain greedy decoding of `{name}`, {args.checkpoint_tokens} tokens per sequence, elapsed time, best of "
+             f"{args.repeats}: tokens/s by intra-op threads.", "", "| batch | " +
+             " | ".join(f"{c} thread{'s' if c > 1 else ''}" for c in threads) + " |", "|---|" + "---:|" * len(threads)]
+    for batch in (1, 8):
+        lines.append(f"| {batch} | " + " | ".join(f"{best[batch, c]:.1f}" for c in threads) + " |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------- 3. context
 def all_attention(config: ModelConfig) -> ModelConfig:
     return config.replace(layers_block_type=tuple(ATTENTION if k == MAMBA else k for k in config.layers_block_type))
@@ -272,6 +520,7 @@ def bench_context(args, log) -> str:
                          ("all-attention `*E*E*-*E` (4 attention)", all_attention(hybrid))):
         torch.manual_seed(0)
         model = HybridLM(config).eval()
+        lay_out_for_decoding(model)
         times = []
         for context in args.contexts:
             log(f"  {name}: context {context}")
@@ -303,7 +552,14 @@ def bench_drift(model: HybridLM, args, log) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="+", default=["hf", "speculative", "context"],
-                        choices=["hf", "speculative", "context", "drift"])
+                        choices=["hf", "speculative", "checkpoint", "threads", "context", "drift"])
+    parser.add_argument("--checkpoint", default="/tmp/quickstart/hf",
+                        help="section checkpoint: a trained checkpoint or run directory (the quickstart's)")
+    parser.add_argument("--prompts", type=int, default=4, help="section checkpoint: standard-library prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--checkpoint-tokens", type=int, default=256, help="section checkpoint: tokens per decode")
+    parser.add_argument("--max-draft", type=int, default=4, help="section checkpoint: draft lengths 1..max timed")
+    parser.add_argument("--compiled", action="store_true", help="section checkpoint: compiled decoding too")
     parser.add_argument("--threads", type=int, default=2)
     clock.add_clock_argument(parser)
     parser.add_argument("--repeats", type=int, default=5)
@@ -337,6 +593,12 @@ def main(argv=None) -> None:
         out.append(table)
     elif "drift" in args.sections:
         trained, _ = trained_bench_model(args, log)
+    if "checkpoint" in args.sections:
+        log("speculative decoding on a checkpoint ...")
+        out.append(bench_checkpoint(args, log))
+    if "threads" in args.sections:
+        log("intra-op threads ...")
+        out.append(bench_threads(args, log))
     if "context" in args.sections:
         log("decode time against context ...")
         out.append(bench_context(args, log))

@@ -1,13 +1,13 @@
 """Training-step speed of hybridtron against transformers' NemotronHForCausalLM: same config, same weights.
 
-Forward + backward, fp32, on the CPU with a fixed thread count (2 by default, as SPEC-model.md's timings), for:
+Forward + backward, fp32, on the CPU with a fixed thread count (2 by default), for:
   - the whole model: the 22.6M-parameter `bench22m` preset (vocab 32000, hidden 256, `MEMEM*EM`, LatentMoE with
     16 experts top-4), batch 4 x 512, loss = next-token cross entropy;
   - one Mamba-2 layer, one LatentMoE layer with 16 experts and one with 128 experts, on a [4, 512, 256] input.
 
 transformers runs as `from_pretrained` configures it (experts: `grouped_mm`, attention: `sdpa`, Mamba: its torch
-fallback since mamba_ssm has no CPU kernel); the `eager` rows run its per-expert loop instead (what SPEC-model.md's
-quoted timings used). The weights are copied from our model into theirs and the two forwards are checked to agree
+fallback since mamba_ssm has no CPU kernel); the `eager` rows run its per-expert loop instead (what the first
+measurements in docs/LOG.md used). The weights are copied from our model into theirs and the two forwards are checked to agree
 before anything is timed. Each repetition times ours and theirs back to back, so both see the same machine load;
 the table reports the median over repetitions (and the ratio of medians).
 
@@ -53,7 +53,7 @@ class Row:
 
 @torch.no_grad()
 def keep_dt_above_time_step_min(model: torch.nn.Module) -> None:
-    """transformers clamps dt at time_step_min in prefill and training (SPEC-model.md, known faults); shifting
+    """transformers clamps dt at time_step_min in prefill and training (its prefill's clamp; see ModelConfig.to_hf); shifting
     dt_bias up by 1 keeps every dt above it, so both sides compute the same function and the check below is tight.
     The values of dt do not change the cost of anything."""
     for module in model.modules():

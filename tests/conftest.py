@@ -35,3 +35,22 @@ def _small_config(**overrides) -> ModelConfig:
 def small_config():
     """`small_config(**overrides)`: Mamba, attention, LatentMoE (grouped routing) and dense layers, with MTP."""
     return _small_config
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A run directory of `hybridtron pretrain` trained for 30 steps on a few stdlib families (a 512-token vocabulary,
+    64-token rows): a checkpoint whose weights have moved from their initialization, for parity tests on real text.
+    Built once per session (about 15 s)."""
+    import argparse
+
+    from hybridtron.train import pretrain
+
+    root = tmp_path_factory.mktemp("trained")
+    overrides = ["data.families=json,text,functional", "data.vocab_size=512", "model.vocab_size=512",
+                 f"data.cache_dir={root / 'cache'}", "data.seq_len=64", "data.batch_size=4", "data.val_batches=2",
+                 "train.val_every=1000", "train.checkpoint_every=1000", "train.warmup_steps=5", "train.lr=3e-3"]
+    args = argparse.Namespace(preset="tiny", out=str(root / "run"), steps=30, config=None, overrides=overrides,
+                              resume=False, quiet=True, print_config=False)
+    assert pretrain.run(args) == 0
+    return root / "run"

@@ -12,6 +12,7 @@ import torch
 from hybridtron.config import (
     PRESETS, ULTRA3_ATTENTION_LAYERS, ModelConfig, nano3, parse_pattern, preset, super3, tiny, ultra3)
 from hybridtron.model.lm import HybridLM
+from hybridtron.train.balance import max_violation_bound
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -181,7 +182,7 @@ def test_ultra3_numbers_the_report_quotes():
     config = ultra3()
     attention = tuple(i for i, kind in enumerate(config.layers_block_type) if kind == "full_attention")
     assert attention == ULTRA3_ATTENTION_LAYERS
-    assert config.maxvio_bound == pytest.approx(23.27, abs=0.01)
+    assert max_violation_bound(config.n_routed_experts, config.num_experts_per_tok) == pytest.approx(23.27, abs=0.01)
     mamba_layers = config.layers_block_type.count("linear_attention")
     state_bytes = config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * 4 * mamba_layers
     assert state_bytes == 384 * 2 ** 20

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from hybridtron import __version__
 from hybridtron.errors import RunStopped
 
 COMMANDS = {
@@ -20,13 +21,17 @@ COMMANDS = {
     "generate": ("hybridtron.infer.generate", "generate text from a checkpoint, streaming to the terminal"),
     "serve": ("hybridtron.infer.server", "serve a checkpoint with an OpenAI-compatible HTTP API"),
     "memory": ("hybridtron.infer.memory", "KV cache and Mamba state memory of a model at a context and batch"),
+    "sft": ("hybridtron.post.sft", "fine-tune a model on conversations, with the loss on the assistant's tokens"),
+    "grpo": ("hybridtron.post.grpo", "reinforcement learning with verifiable rewards (GRPO) on an environment"),
     "mtp-boost": ("hybridtron.post.mtp_boost", "train only the MTP block to raise speculative acceptance"),
     "plan": ("hybridtron.dist.plan", "rank parallel layouts (DP, TP, PP, CP, EP) by memory and step time"),
+    "convert": ("hybridtron.dist.convert", "convert a sharded (DCP) training checkpoint to HF, or HF to DCP"),
 }
 
 
 def build_parser(load: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hybridtron {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, summary) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=summary, description=summary)

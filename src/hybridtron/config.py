@@ -89,7 +89,7 @@ def _normalize_kinds(kinds, field_name: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Every `nemotron_h` field of SPEC-model.md, with transformers' names and defaults."""
+    """Every field of transformers' `NemotronHConfig`, with its names and defaults."""
 
     vocab_size: int = 131072
     hidden_size: int = 4096
@@ -225,10 +225,6 @@ class ModelConfig:
         """Width the routed experts read and write: the latent size for LatentMoE, else hidden_size."""
         return self.moe_latent_size or self.hidden_size
 
-    @property
-    def maxvio_bound(self) -> float:
-        """Upper bound of MaxVio (max load / mean load): every token on the same K experts gives E/K."""
-        return self.n_routed_experts / self.num_experts_per_tok
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -325,7 +321,7 @@ def tiny(**overrides) -> ModelConfig:
 
 
 def bench22m(**overrides) -> ModelConfig:
-    """The 22.6M-parameter benchmark config of SPEC-model.md (the transformers timings are quoted for it)."""
+    """The 22.6M-parameter benchmark config: bench/train_step.py and bench/decode.py time it against transformers."""
     base = dict(
         vocab_size=32000, hidden_size=256, layers_block_type=parse_pattern("MEMEM*EM"),
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=1024,

@@ -5,7 +5,7 @@ layers, MHA / GQA / MQA, random non-zero router bias) our checkpoint loads in tr
 fp32 logits agree to 1e-4 max abs and greedy generation of 32 tokens is identical.
 
 transformers clamps dt at time_step_min in prefill (and not in decode); we follow time_step_limit (0, inf) as
-NVIDIA's code does (SPEC-model.md, known faults). The parity weights therefore keep dt above time_step_min: dt_bias
+NVIDIA's code does (docs/LOG.md, 2026-12-01, "dt clamp"). The parity weights therefore keep dt above time_step_min: dt_bias
 is drawn in [0.5, 1.5] so softplus(dt_raw + dt_bias) stays far above 1e-3, and `track_min_dt` checks it on every
 Mamba layer during the forwards compared.
 """

@@ -1,11 +1,15 @@
-"""The hybrid cache: per-sequence views, recorded Mamba states and rollback, SSM state storage in lower precision."""
+"""The serving cache: per-sequence views and row copies, recorded Mamba states and rollback, bounds, memory, SSM
+state storage in lower precision."""
 
 import pytest
 import torch
 
-from hybridtron.infer.cache import HybridCache, KVCache, MambaState, state_quant_drift
+from hybridtron.infer import fastpath
+from hybridtron.infer.cache import HybridCache, RecordedSteps
+from hybridtron.infer.decoder import state_quant_drift
 from hybridtron.infer.state_quant import MODES, quantize_state
 from hybridtron.model.lm import HybridLM
+from hybridtron.model.state import KVCache, MambaState
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 
@@ -47,9 +51,19 @@ def test_allocate_rejects_bad_arguments(small_config):
         HybridCache.allocate(config, 1, 8, state_quant="fp16_sr", state_dtype=torch.float16)
 
 
-def test_rewind_restores_the_state_after_each_kept_token(small_config):
-    """A recorded forward of 5 tokens, rewound to keep 1..5 of them per sequence, leaves exactly the cache that
-    feeding those tokens alone produces."""
+def test_rewind_errors(small_config):
+    config = small_config()
+    cache = HybridCache.allocate(config, 1, 8)
+    with pytest.raises(RuntimeError, match="recorded forward"):
+        cache.rewind_to(torch.tensor([1]), 2)
+    with pytest.raises(ValueError, match="at least one"):
+        cache.rewind_to(torch.tensor([0]), 2)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_rewind_restores_the_state_after_each_kept_token(small_config, fast):
+    """A recorded forward of 5 tokens (the fast path's one pass, and the reference: one token at a time), rewound
+    to keep 1..5 of them per sequence, leaves exactly the cache that feeding those tokens alone produces."""
     config = small_config()
     model = HybridLM(config).eval()
     prompt = torch.randint(0, config.vocab_size, (3, 6))
@@ -58,11 +72,9 @@ def test_rewind_restores_the_state_after_each_kept_token(small_config):
     with torch.no_grad():
         cache = HybridCache.allocate(config, 3, 16)
         model(prompt, cache=cache)
-        cache.set_record_steps(True)
-        model(new, cache=cache)
+        fastpath.forward(model, new, cache, fast=fast, record=True)
         cache.rewind_to(kept, 5)
-        cache.set_record_steps(False)
-        assert cache.lengths.tolist() == [7, 9, 11]
+        assert cache.lengths.tolist() == [7, 9, 11] and not cache.recorded
         for b in range(3):
             fresh = HybridCache.allocate(config, 1, 16)
             model(torch.cat([prompt[b:b + 1], new[b:b + 1, :kept[b]]], 1), cache=fresh)
@@ -75,13 +87,36 @@ def test_rewind_restores_the_state_after_each_kept_token(small_config):
                 torch.testing.assert_close(got.v_BHTD[b, :, :length], want.v_BHTD[0, :, :length], **FP32)
 
 
-def test_rewind_errors(small_config):
+def test_copy_row_gives_another_row_the_same_prefill(small_config):
     config = small_config()
-    cache = HybridCache.allocate(config, 1, 8)
-    with pytest.raises(RuntimeError, match="record_steps"):
-        cache.rewind_to(torch.tensor([1]), 2)
-    with pytest.raises(ValueError, match="at least one"):
-        cache.rewind_to(torch.tensor([0]), 2)
+    model = HybridLM(config).eval()
+    prompt = torch.randint(0, config.vocab_size, (1, 7))
+    with torch.no_grad():
+        cache = HybridCache.allocate(config, 3, 12)
+        model(prompt, cache=cache.select(1))
+        cache.copy_row(1, [0, 2])
+        assert cache.lengths.tolist() == [7, 7, 7]
+        reference = HybridCache.allocate(config, 3, 12)
+        model(prompt.expand(3, -1), cache=reference)
+        next_ids = torch.randint(0, config.vocab_size, (3, 1))
+        torch.testing.assert_close(model(next_ids, cache=cache).logits, model(next_ids, cache=reference).logits,
+                                   **FP32)
+
+
+def test_cache_bounds_and_memory(small_config):
+    """The cache never outgrows the model's context; its memory is KV per token plus a constant Mamba state."""
+    config = small_config()
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        HybridCache.allocate(config, batch=1, max_len=config.max_position_embeddings + 1)
+    sizes = [HybridCache.allocate(config, batch=2, max_len=n).memory_bytes() for n in (10, 20)]
+    n_attention = config.layers_block_type.count("full_attention")
+    per_token = n_attention * 2 * config.num_key_value_heads * config.head_dim * 4
+    assert sizes[1] - sizes[0] == 2 * 10 * per_token
+    conv_channels = config.mamba_inner_size + 2 * config.n_groups * config.ssm_state_size
+    mamba = config.layers_block_type.count("linear_attention") * 4 * (
+        conv_channels * (config.conv_kernel - 1)
+        + config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size)
+    assert sizes[0] == 2 * (10 * per_token + mamba)
 
 
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "fp32"])
@@ -91,10 +126,11 @@ def test_store_states_rounds_to_the_format(small_config, mode):
     state = mamba_states(cache)[0]
     values = torch.randn_like(state.ssm_BHPN)
     state.ssm_BHPN.copy_(values)
-    state.ssm_steps = torch.randn(2, 3, *values.shape[1:])
-    steps = state.ssm_steps.clone()
+    recorded = RecordedSteps(torch.zeros(2, 3, *state.conv_BCK.shape[1:]), torch.randn(2, 3, *values.shape[1:]))
+    cache.record(state, recorded)
+    steps = recorded.ssm_BTHPN.clone()
     cache.store_states()
-    for stored, original in ((state.ssm_BHPN, values), (state.ssm_steps, steps)):
+    for stored, original in ((state.ssm_BHPN, values), (recorded.ssm_BTHPN, steps)):
         fmt = mode.split("_")[0]
         if fmt in ("fp16", "bf16"):
             dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[fmt]

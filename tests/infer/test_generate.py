@@ -6,7 +6,10 @@ import torch
 from hybridtron.cli import main
 from hybridtron.checkpoint import save_pretrained
 from hybridtron.data.tokenizer import Tokenizer
-from hybridtron.infer.generate import Decoder, TextStream, generate, stream_text
+from hybridtron.infer.decoder import Decoder
+from hybridtron.infer.engine import generate_tokens
+from hybridtron.infer.fastpath import lay_out_for_decoding
+from hybridtron.infer.text import TextStream, stream_text
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.model.lm import HybridLM
 
@@ -27,7 +30,7 @@ def test_batched_greedy_decode_equals_the_full_forward(model):
     """Prompts of different lengths in one batch: every generated token is the argmax of the model's no-cache
     forward over the prompt and the tokens before it (teacher forcing)."""
     prompts = random_prompts(model.config.vocab_size, [5, 1, 17, 9])
-    outputs = generate(model, prompts, GREEDY)
+    outputs = generate_tokens(model, prompts, GREEDY)
     for prompt, tokens in zip(prompts, outputs):
         assert len(tokens) == GREEDY.max_tokens
         with torch.no_grad():
@@ -40,24 +43,28 @@ def test_chunked_prefill_matches_one_pass(model, chunk):
     prompts = random_prompts(model.config.vocab_size, [19, 6])
     whole = Decoder(model, prompts, GREEDY, prefill_chunk=64)
     chunked = Decoder(model, prompts, GREEDY, prefill_chunk=chunk)
-    torch.testing.assert_close(chunked.next_logits_BV, whole.next_logits_BV, rtol=1e-5, atol=1e-5)
-    assert generate(model, prompts, GREEDY, prefill_chunk=chunk) == generate(model, prompts, GREEDY)
+    torch.testing.assert_close(chunked.prompt_logits, whole.prompt_logits, rtol=1e-5, atol=1e-5)
+    assert generate_tokens(model, prompts, GREEDY, prefill_chunk=chunk) == generate_tokens(model, prompts, GREEDY)
 
 
 def test_decoding_layout_changes_only_how_weights_are_stored(model):
-    """A decoder stores the model's weight matrices transposed in memory (faster matrix-vector products on the
-    CPU): shapes, values and the forward are unchanged, and the model still trains."""
+    """`lay_out_for_decoding` (an engine's explicit step) stores the model's weight matrices transposed in memory
+    (faster matrix-vector products on the CPU): shapes, values and the forward are unchanged, and the model still
+    trains."""
     ids = torch.randint(3, model.config.vocab_size, (2, 9))
     state = {name: value.clone() for name, value in model.state_dict().items()}
     with torch.no_grad():
         before = model(ids).logits
-    Decoder(model, [[3, 4]], GREEDY)
+    lay_out_for_decoding(model)
     assert model.lm_head.weight.t().is_contiguous()
     assert model.moe_layers()[0].experts.up_proj.transpose(1, 2).is_contiguous()
     for name, value in model.state_dict().items():
         assert torch.equal(value, state[name]), name
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=1e-5, atol=1e-5)
+    plain = HybridLM(model.config).eval()
+    plain.load_state_dict(state)
+    assert generate_tokens(model, [[3, 4]], GREEDY) == generate_tokens(plain, [[3, 4]], GREEDY)
     model(ids, torch.roll(ids, -1, dims=1)).loss.backward()
     assert model.lm_head.weight.grad.shape == model.lm_head.weight.shape
 
@@ -65,13 +72,13 @@ def test_decoding_layout_changes_only_how_weights_are_stored(model):
 def test_sampling_is_seeded_and_filtered(model):
     prompts = random_prompts(model.config.vocab_size, [4, 8])
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=7)
-    first, again = generate(model, prompts, params), generate(model, prompts, params)
-    other = generate(model, prompts, SamplingParams(temperature=1.0, max_tokens=10, seed=8))
+    first, again = generate_tokens(model, prompts, params), generate_tokens(model, prompts, params)
+    other = generate_tokens(model, prompts, SamplingParams(temperature=1.0, max_tokens=10, seed=8))
     assert first == again and first != other
-    assert generate(model, prompts, SamplingParams(top_k=1, max_tokens=10, seed=3)) == \
-        generate(model, prompts, SamplingParams(temperature=0, max_tokens=10))
+    assert generate_tokens(model, prompts, SamplingParams(top_k=1, max_tokens=10, seed=3)) == \
+        generate_tokens(model, prompts, SamplingParams(temperature=0, max_tokens=10))
     # top_k = 5: every sampled token is among the 5 most likely ones under teacher forcing
-    tokens = generate(model, prompts[:1], SamplingParams(top_k=5, max_tokens=10, seed=1))[0]
+    tokens = generate_tokens(model, prompts[:1], SamplingParams(top_k=5, max_tokens=10, seed=1))[0]
     with torch.no_grad():
         logits = model(torch.tensor([prompts[0] + tokens])).logits[0, len(prompts[0]) - 1:-1]
     top5 = logits.topk(5, dim=-1).indices
@@ -80,7 +87,7 @@ def test_sampling_is_seeded_and_filtered(model):
 
 def test_stop_tokens_max_tokens_and_finish_reasons(model):
     prompts = random_prompts(model.config.vocab_size, [6, 3])
-    free = generate(model, prompts, GREEDY)
+    free = generate_tokens(model, prompts, GREEDY)
     stop_token = free[0][4]
     first_stop = free[0].index(stop_token)
     decoder = Decoder(model, prompts, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop_token,)))
@@ -90,8 +97,8 @@ def test_stop_tokens_max_tokens_and_finish_reasons(model):
     assert decoder.sequences[0].finish_reason == "stop"
     if stop_token not in free[1]:
         assert decoder.sequences[1].tokens == free[1] and decoder.sequences[1].finish_reason == "length"
-    assert generate(model, prompts, SamplingParams(temperature=0, max_tokens=0)) == [[], []]
-    assert generate(model, prompts, SamplingParams(temperature=0, max_tokens=3)) == [t[:3] for t in free]
+    assert generate_tokens(model, prompts, SamplingParams(temperature=0, max_tokens=0)) == [[], []]
+    assert generate_tokens(model, prompts, SamplingParams(temperature=0, max_tokens=3)) == [t[:3] for t in free]
 
 
 def test_context_limit(model):
@@ -110,7 +117,7 @@ def test_context_limit(model):
         pass
     assert [len(s.tokens) for s in decoder.sequences] == [4, 8]
     assert [s.finish_reason for s in decoder.sequences] == ["length", "length"]
-    free = generate(model, [[7] * 2], SamplingParams(temperature=0, max_tokens=8))
+    free = generate_tokens(model, [[7] * 2], SamplingParams(temperature=0, max_tokens=8))
     assert decoder.sequences[1].tokens == free[0]
 
 
@@ -118,14 +125,14 @@ def test_state_quant_generation_runs_and_stays_close(model):
     prompts = random_prompts(model.config.vocab_size, [5, 9])
     base = Decoder(model, prompts, GREEDY)
     rounded = Decoder(model, prompts, GREEDY, state_quant="fp16_sr")
-    torch.testing.assert_close(rounded.next_logits_BV, base.next_logits_BV, rtol=1e-2, atol=1e-3)
-    assert len(generate(model, prompts, GREEDY, state_quant="int8_rtn")[0]) == GREEDY.max_tokens
+    torch.testing.assert_close(rounded.prompt_logits, base.prompt_logits, rtol=1e-2, atol=1e-3)
+    assert len(generate_tokens(model, prompts, GREEDY, state_quant="int8_rtn")[0]) == GREEDY.max_tokens
 
 
 # ------------------------------------------------------------------------------------------------------ text
 @pytest.fixture(scope="module")
 def tokenizer():
-    text = ("def generate(model, prompt):\n    return model(prompt)  # héllo wörld 🙂\n" * 40
+    text = ("def generate_tokens(model, prompt):\n    return model(prompt)  # héllo wörld 🙂\n" * 40
             + "The quick brown fox jumps over the lazy dog. " * 40)
     return Tokenizer.train([text], 600)
 
@@ -168,7 +175,7 @@ def test_stream_text_of_a_decoder(small_config, tokenizer):
     model = HybridLM(small_config(vocab_size=640)).eval()
     prompts = [tokenizer.encode("def generate")]
     params = SamplingParams(temperature=0, max_tokens=15)
-    tokens = generate(model, prompts, params)[0]
+    tokens = generate_tokens(model, prompts, params)[0]
     pairs = list(stream_text(Decoder(model, prompts, params), tokenizer.decode))
     assert [t for t, _ in pairs] == tokens
     assert "".join(d for _, d in pairs) == tokenizer.decode(tokens)
@@ -180,12 +187,12 @@ def test_generate_command_streams_the_greedy_text(tmp_path, small_config, tokeni
     model = HybridLM(config).eval()
     save_pretrained(model, tmp_path / "ckpt")
     tokenizer.save(tmp_path / "ckpt")
-    prompt = "def generate(model"
+    prompt = "def generate_tokens(model"
     args = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", prompt, "--max-tokens", "9",
             "--temperature", "0"]
     assert main(args + ["--no-speculative"]) == 0
     plain = capsys.readouterr()
-    ids = generate(model, [tokenizer.encode(prompt)], SamplingParams(temperature=0, max_tokens=9,
+    ids = generate_tokens(model, [tokenizer.encode(prompt)], SamplingParams(temperature=0, max_tokens=9,
                                                                      stop_token_ids=(2, 4)))[0]
     expected = tokenizer.decode([t for t in ids if t not in (2, 4)])
     assert plain.out == expected + "\n"
@@ -203,23 +210,47 @@ def test_generate_command_errors(tmp_path, small_config, capsys):
     assert "no such checkpoint directory" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x", "--top-p", "0"]) == 2
     assert "--top-p" in capsys.readouterr().err
-    assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x", "--compile", "--speculative"]) == 2
-    assert "--compile applies to plain decoding" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x", "--max-tokens", "-1"]) == 2
+    assert "--max-tokens" in capsys.readouterr().err
+
+
+def test_generate_command_finds_a_runs_export_and_states_the_context_limit(tmp_path, small_config, tokenizer,
+                                                                             capsys):
+    """`--model RUN_DIR` reads the run's hf/ export; `--max-tokens` beyond the context is an error that says how
+    many tokens fit."""
+    model = HybridLM(small_config(vocab_size=640, max_position_embeddings=64)).eval()
+    save_pretrained(model, tmp_path / "run" / "hf")
+    tokenizer.save(tmp_path / "run" / "hf")
+    prompt = "def generate(model"
+    args = ["generate", "--prompt", prompt, "--temperature", "0", "--no-speculative"]
+    assert main(args + ["--model", str(tmp_path / "run"), "--max-tokens", "5"]) == 0
+    from_run = capsys.readouterr().out
+    assert main(args + ["--model", str(tmp_path / "run" / "hf"), "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out == from_run
+    room = 64 - len(tokenizer.encode(prompt))
+    assert main(args + ["--model", str(tmp_path / "run"), "--max-tokens", str(room)]) == 0
+    capsys.readouterr()
+    assert main(args + ["--model", str(tmp_path / "run"), "--max-tokens", str(room + 1)]) == 2
+    err = capsys.readouterr().err
+    assert f"--max-tokens {room + 1}" in err and "context is 64" in err and f"at most {room} tokens" in err
+    (tmp_path / "empty").mkdir()
+    assert main(args + ["--model", str(tmp_path / "empty")]) == 2
+    assert "expected config.json there, or in" in capsys.readouterr().err
 
 
 def test_generate_command_compiled(tmp_path, small_config, tokenizer, capsys):
-    """`--compile` (speculative decoding off by itself) prints the plain greedy text."""
+    """`--compile` (speculative decoding off unless asked) prints the plain greedy text."""
     model = HybridLM(small_config(vocab_size=640)).eval()
     save_pretrained(model, tmp_path / "ckpt")
     tokenizer.save(tmp_path / "ckpt")
-    args = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "def generate(model", "--max-tokens", "9",
+    args = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "def generate_tokens(model", "--max-tokens", "9",
             "--temperature", "0"]
     assert main(args + ["--no-speculative"]) == 0
     plain = capsys.readouterr()
     assert main(args + ["--compile"]) == 0
     compiled = capsys.readouterr()
     assert compiled.out == plain.out and "mean acceptance length" not in compiled.err
-    assert "including the one-time compile" in compiled.err
+    assert "first decode step (compile)" in compiled.err and "tokens/s (steady state)" in compiled.err
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -238,9 +269,9 @@ def test_engine_streams_what_generate_emits(checkpoint, tokenizer):
     from hybridtron.infer.server import generate_text
 
     directory, model = checkpoint
-    prompt = tokenizer.encode("def generate(model")
+    prompt = tokenizer.encode("def generate_tokens(model")
     params = SamplingParams(temperature=0, max_tokens=20)
-    expected = generate(model, [prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(2, 4)))[0]
+    expected = generate_tokens(model, [prompt], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=(2, 4)))[0]
     if expected[-1] in (2, 4):
         expected = expected[:-1]  # an end token ends the stream and is not yielded
     for speculative in (False, True):

@@ -69,10 +69,10 @@ def test_int8_accounting_matches_what_state_quant_stores():
 
 
 def test_accounting_matches_the_allocated_cache():
-    cache_module = pytest.importorskip("hybridtron.infer.cache")
+    from hybridtron.infer.cache import HybridCache  # a broken import must fail this test, not skip it
+
     config = tiny()
-    cache = cache_module.HybridCache.allocate(config, batch=3, max_len=37, dtype=torch.bfloat16,
-                                              state_dtype=torch.float32)
+    cache = HybridCache.allocate(config, batch=3, max_len=37, dtype=torch.bfloat16, state_dtype=torch.float32)
     report = memory_report(config, context=37, batch=3, kv_dtype="bf16", state_dtype="fp32", conv_dtype="bf16")
     assert cache.memory_bytes() == report.total
 
@@ -112,3 +112,51 @@ def test_memory_command(capsys, tmp_path):
     assert "not both" in capsys.readouterr().err
     assert main(["memory", "--config", str(tmp_path / "missing")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_slot_bytes_are_what_the_engine_allocates_per_slot(small_config):
+    """`slot_bytes` (what `hybridtron memory --budget-gib` divides the budget by) equals an engine's allocation per
+    slot, plain and speculative (the drafter's cache and catch-up buffer included), fp32 and an int8 SSM state;
+    `memory_budget_gib` gives the engine that many slots."""
+    from hybridtron.data.tokenizer import Tokenizer
+    from hybridtron.infer.engine import HybridEngine
+    from hybridtron.infer.memory import slot_bytes, slots_for_budget
+    from hybridtron.model.lm import HybridLM
+
+    config = small_config(vocab_size=640, max_position_embeddings=200)
+    model = HybridLM(config).eval()
+    tokenizer = Tokenizer.train(["slot accounting " * 50], 600)
+    for speculative, state_quant, stored in ((False, "fp32", "fp32"), (True, "fp32", "fp32"),
+                                             (True, "int8_sr", "int8")):
+        engine = HybridEngine(model, tokenizer, model_name="m", speculative=speculative, state_quant=state_quant,
+                              max_slots=3, draft_length=4 if speculative else None)
+        batch = engine.scheduler.batch
+        positions = config.max_position_embeddings + (5 if speculative else 0)
+        per_slot = slot_bytes(config, positions, "fp32", stored, "fp32", include_mtp=speculative)
+        assert batch.slot_bytes() == per_slot
+        # the slots' rows and the staging row (which needs no catch-up buffer)
+        staging = per_slot - (batch.buffer_bytes() if speculative else 0)
+        assert batch.memory_bytes() == per_slot * batch.cache.batch_size + staging
+        budget = 10.5 * per_slot / 2 ** 30
+        assert slots_for_budget(config, budget, positions, "fp32", stored, "fp32", speculative) == 9
+        sized = HybridEngine(model, tokenizer, model_name="m", speculative=speculative, state_quant=state_quant,
+                             memory_budget_gib=budget, draft_length=4 if speculative else None)
+        assert sized.scheduler.batch.slots == 9
+    with pytest.raises(ValueError, match="holds no slot"):
+        HybridEngine(model, tokenizer, model_name="m", memory_budget_gib=1e-9)
+    with pytest.raises(ValueError, match="memory budget"):
+        slots_for_budget(config, 0, 100)
+
+
+def test_memory_command_slots_for_a_budget(capsys):
+    config = tiny()
+    assert main(["memory", "--preset", "tiny", "--context", "8192", "--kv-dtype", "fp32", "--conv-dtype", "fp32",
+                 "--include-mtp", "--budget-gib", "1", "--json"]) == 0
+    numbers = json.loads(capsys.readouterr().out)
+    from hybridtron.infer.memory import slot_bytes
+    per_slot = slot_bytes(config, 8192, "fp32", "fp32", "fp32", include_mtp=True)
+    assert numbers["slot_bytes"] == per_slot and numbers["slots_in_budget"] == 2 ** 30 // per_slot - 1
+    assert main(["memory", "--preset", "tiny", "--budget-gib", "1"]) == 0
+    assert "slots in 1 GiB" in capsys.readouterr().out
+    assert main(["memory", "--preset", "ultra3", "--budget-gib", "0.001"]) == 2
+    assert "holds no slot" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from hybridtron.infer.generate import TextStream
+from hybridtron.infer.text import TextStream
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.server import create_app, generate_text
 

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
-from hybridtron.infer.cache import KVCache, MambaState
-from hybridtron.infer.generate import Decoder, generate
+from hybridtron.infer.decoder import Decoder
+from hybridtron.infer.engine import generate_tokens
 from hybridtron.infer.sampling import SamplingParams, probs_from_logits
 from hybridtron.infer.speculative import AcceptanceStats, SpeculativeDecoder
 from hybridtron.model.lm import HybridLM
+from hybridtron.model.state import KVCache, MambaState
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 
@@ -51,16 +52,16 @@ def test_greedy_speculative_equals_plain_greedy(small_config, kind):
     model = chain_model(config, mtp_noise=0.2) if kind == "chain" else HybridLM(config).eval()
     prompts = random_prompts(config.vocab_size, [5, 1, 12, 3, 8, 2])
     params = SamplingParams(temperature=0, max_tokens=24)
-    plain = generate(model, prompts, params)
+    plain = generate_tokens(model, prompts, params)
     histogram = torch.zeros(8, dtype=torch.long)
     for k in range(1, 8):
         decoder = SpeculativeDecoder(model, prompts, params, draft_length=k)
         assert run(decoder) == plain, f"draft length {k}"
         histogram[:k + 1] += torch.tensor(decoder.stats.histogram)
     for prompt, expected in zip(prompts[:2], plain[:2]):
-        assert generate(model, [prompt], params, speculative=True, draft_length=5) == [expected]
+        assert generate_tokens(model, [prompt], params, speculative=True, draft_length=5) == [expected]
     # a chunked prefill fills the drafter's cache across chunk boundaries
-    assert generate(model, prompts, params, speculative=True, draft_length=3, prefill_chunk=4) == plain
+    assert generate_tokens(model, prompts, params, speculative=True, draft_length=3, prefill_chunk=4) == plain
     if kind == "chain":  # every number of accepted drafts occurred, so every rollback slot was used
         assert (histogram > 0).all(), histogram
 
@@ -76,7 +77,7 @@ def test_greedy_speculative_at_the_context_limit_and_with_stops(small_config):
     assert [len(s.prompt) + len(s.tokens) for s in speculative.sequences] == [20, 20, 20]
     stop = run(plain)[0][5]
     params = SamplingParams(temperature=0, max_tokens=17, stop_token_ids=(stop,))
-    assert generate(model, prompts, params, speculative=True, draft_length=4) == generate(model, prompts, params)
+    assert generate_tokens(model, prompts, params, speculative=True, draft_length=4) == generate_tokens(model, prompts, params)
 
 
 # ------------------------------------------------------------------------------------------------ sampling
@@ -158,7 +159,8 @@ def test_rolled_back_state_equals_a_recomputed_one(small_config):
     decoder = SpeculativeDecoder(model, prompts, SamplingParams(temperature=0, max_tokens=60), draft_length=4)
     for _ in range(8):
         decoder.step()
-        for b, seq in enumerate(decoder.sequences):
+        for index, seq in enumerate(decoder.sequences):
+            b = decoder.row(index)
             processed = seq.prompt + seq.tokens[:-1]  # the last token is pending: sampled, not yet fed
             assert int(decoder.cache.lengths[b]) == len(processed)
             fresh = SpeculativeDecoder(model, [processed], SamplingParams(temperature=0, max_tokens=1),
@@ -171,8 +173,8 @@ def test_rolled_back_state_equals_a_recomputed_one(small_config):
                     n = len(processed)
                     torch.testing.assert_close(got.k_BHTD[b, :, :n], want.k_BHTD[0, :, :n], **FP32)
                     torch.testing.assert_close(got.v_BHTD[b, :, :n], want.v_BHTD[0, :, :n], **FP32)
-            n = int(decoder.mtp_cache.lengths[b])
-            assert n <= int(fresh.mtp_cache.lengths[0])
+            n = int(decoder.mtp_cache.lengths[b])  # the entries caught up; the others wait in the buffer
+            assert n + int(decoder.batch.uncaught[b]) == len(processed) and n <= int(fresh.mtp_cache.lengths[0])
             for got, want in zip(decoder.mtp_cache.layers, fresh.mtp_cache.layers):
                 if isinstance(got, KVCache):
                     torch.testing.assert_close(got.k_BHTD[b, :, :n], want.k_BHTD[0, :, :n], **FP32)
@@ -187,20 +189,20 @@ def test_drafter_entries_match_training_depth_one(small_config):
     model = HybridLM(config).eval()
     prompt = random_prompts(32, [9])[0]
     decoder = SpeculativeDecoder(model, [prompt], SamplingParams(temperature=0, max_tokens=10), draft_length=1)
-    decoder.step()
-    first = decoder.sequences[0].tokens[0]
-    drafts, _ = decoder.draft(1)
+    first = decoder.step()[0][0]
+    with torch.inference_mode():
+        draft = int(model.lm_head(decoder.batch.catch_up(1)).argmax(-1)[0])
     with torch.no_grad():
         expected = model(torch.tensor([prompt + [first]])).mtp_logits[0][0, len(prompt) - 1].argmax()
-    assert int(drafts[0, 0]) == int(expected)
+    assert draft == int(expected)
 
 
 def test_acceptance_stats_and_errors(small_config):
-    stats = AcceptanceStats(3)
-    for n in (0, 3, 1):
-        stats.record(n)
+    stats = AcceptanceStats()
+    for n, k in ((0, 2), (3, 3), (1, 3)):
+        stats.record(n, k)
     assert stats.histogram == [1, 1, 0, 1] and stats.mean_acceptance_length == (4 + 3) / 3
-    assert AcceptanceStats(2).mean_acceptance_length == 0.0
+    assert stats.draft_length == 3 and AcceptanceStats().mean_acceptance_length == 0.0
     model = HybridLM(small_config(num_nextn_predict_layers=0))
     with pytest.raises(ValueError, match="no MTP block|has none"):
         SpeculativeDecoder(model, [[1]], SamplingParams())

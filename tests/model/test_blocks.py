@@ -18,12 +18,12 @@ import copy
 import pytest
 import torch
 
-from hybridtron.infer.cache import MambaState
 from hybridtron.model.attention import Attention, attention_ref
-from hybridtron.model.mamba2 import CONV_TAPS_MAX_TOKENS, Mamba2Mixer, mamba2_mixer_ref
+from hybridtron.model.mamba2 import Mamba2Mixer, mamba2_mixer_ref
 from hybridtron.model.mlp import MLP, mlp_ref
 from hybridtron.model.moe import MoE, RoutedExperts, moe_ref, routed_experts_ref
 from hybridtron.model.norm import GatedGroupRMSNorm, RMSNorm
+from hybridtron.model.state import MambaState
 
 FP32 = dict(rtol=1e-4, atol=1e-5)
 BF16_OUTPUT_BUDGET = 1.5e-2  # about 4 bf16 epsilons
@@ -157,7 +157,7 @@ MAMBA_VARIANTS = {
                                  length=5),
     "biases_no_conv_bias": dict(overrides=dict(use_bias=True, use_conv_bias=False, chunk_size=8), length=19),
     "time_step_limit": dict(overrides=dict(time_step_limit=(0.02, 0.5), chunk_size=8), length=12),
-    "conv1d_beyond_the_taps": dict(overrides=dict(chunk_size=16), length=CONV_TAPS_MAX_TOKENS + 13),
+    "groups2_chunk16_len29": dict(overrides=dict(chunk_size=16), length=29),
 }
 
 
@@ -197,10 +197,10 @@ def random_state(mixer, batch):
             torch.randn(batch, mixer.num_heads, mixer.head_dim, mixer.state_size) * 0.5)
 
 
-@pytest.mark.parametrize("length", [1, 6, 19, 40])  # one-token step, shorter than a chunk, several chunks, conv1d
+@pytest.mark.parametrize("length", [1, 6, 19, 40])  # one token, shorter than a chunk, several chunks
 def test_mamba_mixer_continues_from_initial_state(small_config, length):
-    """With a MambaState the fast path (chunked scan, or the one-token step) continues from it and leaves the final
-    conv and SSM state in it; the reference takes the same state explicitly. Outputs, states, and gradients agree."""
+    """With a MambaState the forward (the chunked scan) continues from it and leaves the final conv and SSM state in
+    it; the reference takes the same state explicitly. Outputs, states, and gradients agree."""
     mixer = mamba_mixer(small_config, dict(chunk_size=8))
     x = torch.randn(2, length, mixer.in_proj.in_features)
     conv, ssm = random_state(mixer, 2)
@@ -265,25 +265,6 @@ def test_routed_experts_match_loop(dtype, num_experts, top_k, width, intermediat
     weights = torch.rand(tokens, top_k)
     check_against_ref(experts, lambda m, x, w: m(x, expert_ids, w),
                       lambda m, x, w: routed_experts_ref(m, x, expert_ids, w), x, weights, dtype=dtype)
-
-
-@pytest.mark.parametrize("num_experts, top_k, tokens", [(8, 2, 1), (8, 2, 4), (16, 4, 3), (6, 6, 1)])
-def test_routed_experts_pair_loop_matches_loop(monkeypatch, num_experts, top_k, tokens):
-    """Inference with no more (token, expert) pairs than experts (decoding) takes the pair loop."""
-    experts = RoutedExperts(num_experts, 16, 24)
-    with torch.no_grad():
-        experts.up_proj.normal_(0, 0.25)
-        experts.down_proj.normal_(0, 0.2)
-    x = torch.randn(tokens, 16)
-    expert_ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k)
-    calls = []
-    pair_loop = RoutedExperts.forward_pairs
-    monkeypatch.setattr(RoutedExperts, "forward_pairs", lambda *args: calls.append(1) or pair_loop(*args))
-    with torch.no_grad():
-        out = experts(x, expert_ids, weights)
-    assert calls
-    torch.testing.assert_close(out, routed_experts_ref(experts, x, expert_ids, weights), **FP32)
 
 
 MOE_VARIANTS = {

@@ -1,6 +1,6 @@
 """The MoE router against the spec written out token by token, and its fp32 guarantees.
 
-Spec (SPEC-model.md): s = sigmoid(x W^T) in fp32; s' = s + e_score_correction_bias is used only to choose;
+The nemotron_h router (as transformers and Megatron compute it): s = sigmoid(x W^T) in fp32; s' = s + e_score_correction_bias is used only to choose;
 group score = sum of the top-2 s' of each of n_group groups, keep the topk_group best groups; idx = top-k of s'
 among the kept groups; weights w = s[idx], divided by their sum (+1e-20) if norm_topk_prob, times
 routed_scaling_factor.

@@ -9,7 +9,8 @@ from hybridtron.cli import main
 from hybridtron.checkpoint import load_pretrained, save_pretrained
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.model.lm import HybridLM
-from hybridtron.post.mtp_boost import BoostConfig, boost_loss, boost_mtp, mtp_chain, mtp_chain_ref
+from hybridtron.post.mtp_boost import BoostConfig
+from hybridtron.post.mtp_boost.training import boost_loss, boost_mtp, mtp_chain, mtp_chain_ref
 
 FP32 = dict(rtol=1e-5, atol=1e-5)
 

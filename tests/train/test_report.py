@@ -1,10 +1,12 @@
 """`hybridtron report`: reads a run directory (finished or still being written), writes one self-contained HTML page
-whose every plot decodes in headless Chromium, and prints a terminal summary."""
+whose every plot is a real picture (decoded here; also in headless Chromium where it is installed), and prints a
+terminal summary."""
 
 from __future__ import annotations
 
 import argparse
 import base64
+import io
 import json
 import math
 import random
@@ -22,9 +24,11 @@ from hybridtron.train.config import build_run_config
 N_PLOTS = len(report.PLOTS)
 
 
-def fake_run(run_dir: Path, steps: int = 60, nvfp4: bool = False, partial_line: bool = True) -> Path:
+def fake_run(run_dir: Path, steps: int = 60, nvfp4: bool = False, partial_line: bool = True,
+             mtp_router: bool = False) -> Path:
     """A run directory as pretrain and the monitor write it: every signal, a NaN, a rollback, events, and (by
-    default) a half-written last line, as while the run is still going."""
+    default) a half-written last line, as while the run is still going. `mtp_router`: the MTP block's router
+    (`mtp.1`) logs MaxVio and bias spread beside the backbone's."""
     rng = random.Random(0)
     run_dir.mkdir(parents=True)
     precision = "nvfp4" if nvfp4 else "fp32"
@@ -38,6 +42,8 @@ def fake_run(run_dir: Path, steps: int = 60, nvfp4: bool = False, partial_line: 
                 **{f"wgrad_norm/layer.{i}": 0.1 * (i + 1) for i in range(8)}, "wgrad_norm/lm_head": 0.8,
                 **{f"maxvio/{i}": 1.2 + 0.02 * step * (i == 1) for i in (1, 3, 7)},
                 **{f"router_bias_spread/{i}": 0.001 * step for i in (1, 3, 7)}}
+        if mtp_router:
+            line.update({"maxvio/mtp.1": 1.3, "router_bias_spread/mtp.1": 0.002 * step})
         if step % 10 == 0 or step == 1:
             line.update({f"residual_rms/{i}": 0.5 * 1.3 ** i for i in range(8)}, update_ratio=1e-3,
                         **{"update_ratio/lm_head": 2e-3})
@@ -110,6 +116,41 @@ def test_mistakes_are_clear_errors(tmp_path, capsys):
     (run_dir / "metrics.jsonl").write_text("\n".join(text) + "\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:6: not a JSON line"):
         report.load_run(run_dir)
+
+
+def test_every_plot_is_a_real_picture(tmp_path):
+    """Without a browser: each embedded PNG decodes, has the figure's size, and draws something (a plot, not a
+    blank canvas); one per plot, and no two alike."""
+    from matplotlib import image
+
+    pngs = images(write_report(fake_run(tmp_path / "run", nvfp4=True)).read_text())
+    assert len(pngs) == N_PLOTS
+    assert len(set(pngs)) == N_PLOTS, "every plot is its own picture"
+    for (title, _, _), png in zip(report.PLOTS, pngs):
+        pixels = image.imread(io.BytesIO(png), format="png")
+        height, width = pixels.shape[:2]
+        assert width == 900 and 100 <= height <= 900, f"{title}: {width}x{height}"  # 10 inches at 90 dpi
+        rgb = pixels[..., :3].reshape(-1, 3)
+        inked = (rgb < 0.9).any(axis=1).mean()  # share of pixels that are not (near) white
+        assert 0.01 < inked < 0.9, f"{title}: {inked:.1%} of the pixels drawn"
+        assert len({tuple(p) for p in rgb[:: max(1, len(rgb) // 20000)]}) > 20, f"{title}: too few colours"
+
+
+def test_the_mtp_router_is_named_in_the_summary_and_the_heatmap(tmp_path, capsys, monkeypatch):
+    labels = []
+    real_png = report._png
+
+    def keep_labels(plt, figure):
+        labels.append([tick.get_text() for axes in figure.axes for tick in axes.get_yticklabels()])
+        return real_png(plt, figure)
+
+    monkeypatch.setattr(report, "_png", keep_labels)
+    write_report(fake_run(tmp_path / "run", mtp_router=True))
+    assert "MaxVio layer 1 2.4, layer 3 1.2, layer 7 1.2, MTP layer 1 1.3, bound E/K 4" in capsys.readouterr().out
+    maxvio_labels = labels[[title for title, _, _ in report.PLOTS].index("MaxVio")]
+    assert [label for label in maxvio_labels if "layer" in label] == ["layer 1", "layer 3", "layer 7", "MTP layer 1"]
+    assert report.router_label("router_bias_spread/mtp.1") == "MTP layer 1"
+    assert report.router_label("maxvio/12") == "layer 12"
 
 
 # ------------------------------------------------------------------------------------- headless Chromium

@@ -3,8 +3,9 @@
 Layout of a run's `checkpoints/` directory:
 
     step_000100/              one complete checkpoint
-        .metadata, __0_0.distcp   model + optimizer tensors (DCP; sharded across ranks when distributed)
-        trainer_rank0.pt      everything else of rank 0: step, schedule, loader position, RNG states, hook states
+        .metadata, __R_0.distcp   model + optimizer tensors (DCP; each rank writes its shards when distributed)
+        trainer_rank0.pt      everything else, as global rank 0 holds it: step, schedule, loader position (global,
+                              so the same at every world size), RNG states, hook states
         COMPLETE              written last, inside the temporary directory
         GOOD                  added later, once the stability monitor has watched enough steps past it
     step_000200.tmp-XXXX/     a save in progress (or one a crash interrupted; ignored and cleaned up)
@@ -12,6 +13,12 @@ Layout of a run's `checkpoints/` directory:
 A save copies the state in the caller's thread (the only time the training loop blocks), then writes it in a
 background thread into a temporary directory that is renamed into place when the write is complete. A crash at any
 point leaves every earlier checkpoint intact and the half-written one invisible.
+
+Distributed (torch.distributed initialized): every rank writes its own shards with `dcp.async_save` over a
+separate gloo group (the training collectives keep the default group to themselves); global rank 0 then writes
+the trainer state and COMPLETE and renames the directory, once DCP reports every rank's write finished. The
+tensors are saved as DTensors under their single-process names, so `load` reshards them to whatever layout and
+world size the resuming run has; only rank 0 touches the directory tree (prune, GOOD marks, cleanup).
 """
 
 from __future__ import annotations
@@ -32,8 +39,12 @@ CHECKPOINT_NAME = re.compile(r"^step_(\d{6,})$")
 COMPLETE, GOOD = "COMPLETE", "GOOD"
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if _distributed() else 0
 
 
 def _copy(obj):
@@ -47,6 +58,19 @@ def _copy(obj):
     return obj
 
 
+class _Staged:
+    """DCP's async stager for a state that `CheckpointManager.save` has already copied: nothing more to do (the
+    default stager would copy it again, and cannot copy the ShardedTensor views of hybridtron.dist.state)."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def close(self) -> None: ...
+
+
 class CheckpointManager:
     def __init__(self, directory: str | Path, keep: int = 3):
         self.directory = Path(directory)
@@ -55,16 +79,41 @@ class CheckpointManager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self._pending: Future | None = None
         self._lock = threading.Lock()
+        self._group = None  # the gloo group of distributed saves, made at the first one (all ranks save together)
 
     # ----------------------------------------------------------------------------------------------- save
     def save(self, step: int, tensors: dict, trainer_state: dict, *, blocking: bool = False) -> Future:
         """`tensors`: model and optimizer state dicts (DCP); `trainer_state`: picklable rest of this rank."""
         self.wait()  # one save in flight at a time; an older one must finish before a newer one starts
         snapshot = (_copy(tensors), _copy(trainer_state))
-        self._pending = self._executor.submit(self._write, step, *snapshot)
+        if _distributed():
+            self._pending = self._save_distributed(step, *snapshot)
+        else:
+            self._pending = self._executor.submit(self._write, step, *snapshot)
         if blocking:
             self.wait()
         return self._pending
+
+    def _save_distributed(self, step: int, tensors: dict, trainer_state: dict) -> Future:
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        staging = self.directory / f"step_{step:06d}.tmp-dist"
+        if _rank() == 0:
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir()
+        dist.barrier(group=self._group)  # the directory exists before any rank writes into it
+        written = dcp.async_save(tensors, checkpoint_id=str(staging), process_group=self._group,
+                                 async_stager=_Staged())
+        return self._executor.submit(self._finish_distributed, step, staging, written, trainer_state)
+
+    def _finish_distributed(self, step: int, staging: Path, written: Future, trainer_state: dict) -> Path:
+        written.result()  # on rank 0 this returns once DCP has gathered every rank's write result
+        final = self.directory / f"step_{step:06d}"
+        if _rank() == 0:
+            torch.save(trainer_state, staging / "trainer_rank0.pt")
+            self._commit(step, staging, final)
+        return final
 
     def _write(self, step: int, tensors: dict, trainer_state: dict) -> Path:
         final = self.directory / f"step_{step:06d}"
@@ -75,14 +124,17 @@ class CheckpointManager:
         with warnings.catch_warnings():  # DCP warns that it runs single-process; that is intended here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.save(tensors, checkpoint_id=str(staging))
-        torch.save(trainer_state, staging / f"trainer_rank{_rank()}.pt")
+        torch.save(trainer_state, staging / "trainer_rank0.pt")
+        self._commit(step, staging, final)
+        return final
+
+    def _commit(self, step: int, staging: Path, final: Path) -> None:
         (staging / COMPLETE).write_text(str(step))
         with self._lock:
             if final.exists():  # a re-run of the same step (after a rollback) replaces the old copy
                 shutil.rmtree(final)
             os.replace(staging, final)
             self._prune()
-        return final
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -118,25 +170,39 @@ class CheckpointManager:
         return candidates[-1] if candidates else None
 
     def mark_good(self, step: int) -> None:
+        if _rank() != 0:
+            return
         path = self.directory / f"step_{step:06d}"
         with self._lock:  # the writer thread may be pruning
             if (path / COMPLETE).exists():
                 (path / GOOD).write_text(str(step))
 
+    def remove_after(self, step: int) -> list[str]:
+        """Delete the checkpoints newer than `step` (after a rollback they belong to the abandoned trajectory, and
+        `--resume` would pick them); returns their names."""
+        newer = [path for path in self.list() if step_of(path) > step]
+        if _rank() == 0:
+            for path in newer:
+                shutil.rmtree(path)
+        return [path.name for path in newer]
+
     def remove_incomplete(self) -> None:
+        if _rank() != 0:
+            return
         for path in self.directory.glob("step_*.tmp-*"):
             shutil.rmtree(path, ignore_errors=True)
 
     # ----------------------------------------------------------------------------------------------- load
     @staticmethod
     def load(path: Path, tensors: dict) -> dict:
-        """Load tensors in place into `tensors` (same structure as saved); return this rank's trainer state."""
+        """Load tensors in place into `tensors` (same structure as saved, any sharding: DCP reshards); return the
+        trainer state (global rank 0's at save time, whatever the world size then and now)."""
         if not (path / COMPLETE).exists():
             raise ValueError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(tensors, checkpoint_id=str(path))
-        return torch.load(path / f"trainer_rank{_rank()}.pt", weights_only=False)
+        return torch.load(path / "trainer_rank0.pt", weights_only=False)
 
 
 def step_of(path: Path) -> int:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+import secrets
+import stat
 from pathlib import Path
 
 import torch
@@ -52,7 +53,9 @@ def to_disk_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                     dtype: torch.dtype | None = None) -> None:
     """Write config.json and the safetensors (sharded above `max_shard_bytes`) into `directory`, atomically:
-    the files are written into a temporary sibling directory which then replaces the target."""
+    the files are written into a temporary sibling directory which then replaces the target. The directory and its
+    files get the permissions the umask gives new ones (0o755 / 0o644 under umask 022), so another user or a
+    serving container can read the export."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     state = {}
@@ -70,7 +73,9 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
         current_bytes += tensor.nbytes
     shards.append(current)
 
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    # not tempfile.mkdtemp: its directory is private (0o700) whatever the umask, and the rename would publish that
+    staging = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    staging.mkdir()
     config_dict = model.config.to_hf(export=True)
     config_dict["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     (staging / "config.json").write_text(json.dumps(config_dict, indent=2))
@@ -85,6 +90,11 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
             weight_map.update({name: filename for name in shard})
         index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": weight_map}
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    # safetensors writes its files 0o600: give every file the mode a new file gets, 0o666 less the umask, read off
+    # the directory just made (0o777 less the umask)
+    file_mode = stat.S_IMODE(staging.stat().st_mode) & 0o666
+    for path in staging.iterdir():
+        os.chmod(path, file_mode)
     if directory.exists():
         old = directory.with_name(f".{directory.name}.old")
         if old.exists():

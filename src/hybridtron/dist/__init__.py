@@ -1,2 +1,13 @@
-"""Scale-out on torch.distributed: plan a layout (`plan.py`, pure: config + cluster + workload -> ranked layouts
-with memory and communication estimates; its cost model in `costs.py`), then build the mesh and apply it."""
+"""Scale-out on torch.distributed: plan a layout, then build the meshes and apply it (docs/SCALE.md).
+
+    plan.py, costs.py, serving.py   the planner: pure, config + cluster + workload -> ranked layouts, memory, comms
+    config.py                       the `[dist]` section (DistConfig)
+    mesh.py                         the layout checked with the planner's rules, the process groups, the meshes
+    parallelize.py                  PP -> TP -> EP -> activation checkpointing -> compile -> FSDP2, in that order
+    tensor_parallel.py              TP with sequence parallelism (attention, Mamba-2, MLPs, embedding, lm_head)
+    expert_parallel.py              EP: dropless all-to-all dispatch, or capacity-factor dropping
+    pipeline.py                     PP with torch.distributed.pipelining (1F1B, interleaved 1F1B, GPipe)
+    step.py                         data-parallel rows, norms of sharded gradients, metrics over ranks, gathering
+    state.py                        DCP checkpoint state in the single-process layout (resumes at any world size)
+    convert.py                      `hybridtron convert`: sharded checkpoint <-> HF
+"""

@@ -38,10 +38,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from hybridtron.numerics.policy import POLICIES, RECIPES, apply_precision
+from hybridtron.numerics.policy import POLICIES, RECIPES
 from hybridtron.train.hooks import Hook
 
 REFERENCE = "bf16"
@@ -124,6 +121,7 @@ def run_arm(arm: Arm, checkpoint: Path, run_config, loader, steps: int, progress
     """Load ``checkpoint`` into a fresh model converted for ``arm``; train ``steps`` steps; per-step losses."""
     from hybridtron.model.lm import HybridLM
     from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
+    from hybridtron.numerics.policy import apply_precision
     from hybridtron.train.loop import Trainer
     from hybridtron.train.objectives import LoaderBatches, PretrainObjective
 
@@ -157,6 +155,8 @@ def block_standard_error(gaps: list[float], blocks: int = GAP_BLOCKS) -> float:
     Consecutive steps' gaps are correlated (a branch that drifted ahead stays ahead for a while), so the spread of
     single steps would understate the uncertainty; block means are close to independent. NaN under 2 blocks.
     """
+    import numpy as np
+
     if len(gaps) < 2 * blocks:
         blocks = len(gaps) // 2
     if blocks < 2:
@@ -176,6 +176,8 @@ def gap_summary(gaps: list[float]) -> dict:
 def branch(checkpoint: str | Path, tokens: int, arms: list[str] = (AS_TRAINED,), out: str | Path | None = None,
            quiet: bool = False) -> dict:
     """Run the reference and each arm from ``checkpoint`` for ``tokens`` tokens; write branch.json/.png to out."""
+    import torch
+
     from hybridtron.data import build_data
     from hybridtron.train.config import RunConfig
 
@@ -283,13 +285,14 @@ def format_report(report: dict) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="checkpoint", required=True,
-                        help="a DCP checkpoint directory: runs/X/checkpoints/step_NNNNNN")
-    parser.add_argument("--tokens", type=int, required=True, help="tokens to train each branch for (whole steps)")
+                        help="a DCP checkpoint directory: runs/X/checkpoints/step_NNNNNN (required)")
+    parser.add_argument("--tokens", type=int, required=True,
+                        help="tokens to train each branch for, rounded up to whole steps (required)")
     parser.add_argument("--out", help="output directory (default: <run>/branches/<step>_<tokens>)")
     parser.add_argument("--arm", dest="arms", action="append", metavar="SPEC",
                         help="a branch to compare with the bf16 reference (repeatable; default as-trained): "
                              "as-trained or RECIPE[:POLICY][:no-sr][:no-rht][:no-2d], e.g. nvfp4:all")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines (default: one line per arm)")
 
 
 def run(args) -> int:

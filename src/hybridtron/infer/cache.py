@@ -1,12 +1,20 @@
-"""The hybrid inference cache: a preallocated KV cache per attention layer, conv + SSM state per Mamba layer.
+"""The serving cache: the model's layer states (`hybridtron.model.state`) for a batch of sequences, with what
+decoding adds: rewinding after speculative verification, SSM states stored in lower precision, row copies (slots),
+memory.
 
-Attention layers grow with the context (one K and one V row per token); Mamba layers keep a constant-size state
-per sequence: the last `conv_kernel - 1` conv inputs and the [heads, head_dim, state] SSM state. Each sequence of
-the batch has its own length, so sequences of different prompt lengths can decode together.
+Attention layers grow with the context (one K and one V row per token, preallocated to `max_len`); Mamba layers keep
+a constant-size state per sequence: the last `conv_kernel - 1` conv inputs and the [heads, head_dim, state] SSM
+state. Each sequence of the batch has its own length, so sequences of different prompt lengths decode together.
 
-For speculative decoding a Mamba state can record the state after every token of a multi-token forward
-(`record_steps=True`); `HybridCache.rewind_to(accepted)` then restores each sequence's Mamba states to the slot of
-its last accepted token and truncates the KV lengths: no recompute.
+Rows are slots (`hybridtron.infer.decoder.DecodeBatch`): `copy_row_from` gives a row what a row of another cache of
+the same layers holds (a prefill staged in a one-row cache joins the batch; a finished sequence's slot takes the
+last row's sequence), `reset_rows` empties rows for a new prompt, `resized` grows the batch, `slot_bytes` is the
+memory of one row.
+
+Speculative verification runs a recorded forward (`hybridtron.infer.fastpath.forward(..., record=True)`), which
+keeps every Mamba layer's state after each of its tokens (`recorded`); `HybridCache.rewind_to(accepted)` then
+restores each sequence's Mamba states to the slot of its last accepted token and truncates the KV lengths: no
+recompute.
 
 SSM state in lower precision (`state_quant`, the modes of `hybridtron.infer.state_quant`: fp32, fp16_sr,
 fp16_rtn, bf16_sr, bf16_rtn, int8_sr, int8_rtn): `store_states()` rounds every SSM state (and the recorded
@@ -16,42 +24,36 @@ fp32 buffer (the mixer updates the state in fp32 and writes it back in place), s
 memory saving is simulated: `memory_bytes()` counts the bytes of the stored format. The stochastic modes draw from
 the cache's own generator (seeded by `quant_seed`), so a seeded decode stays reproducible.
 
-`state_quant_drift` measures a mode: the KL from the fp32-cache model over a teacher-forced decode. What it showed
-(2026-11-29, CPU, fp32 models): stochastic rounding wins where rounding errors can build up, a long SSM memory and
-a steady input (random small model, dt in [1e-4, 1e-3], one token repeated, 256 tokens: mean KL fp16 SR 9.7e-14 vs
-RTN 4.0e-12, int8 SR 1.2e-12 vs RTN 1.8e-11; tests/infer/test_cache.py). Where the state forgets quickly (the
-bench's trained Markov-chain model, 1024 tokens: fp16 SR 7.6e-10 vs RTN 1.1e-10, int8 SR 4.8e-7 vs RTN 3.4e-7) or
-the input is random, RTN's errors do not accumulate and SR's extra variance makes it the worse of the two, by up to
-7x. The report's advantage of SR (Table 16) was measured on a large model over long generations.
+`hybridtron.infer.decoder.state_quant_drift` measures a mode: the KL from the fp32-cache model over a teacher-forced
+decode. What it showed (2026-11-29, CPU, fp32 models): stochastic rounding wins where rounding errors can build up,
+a long SSM memory and a steady input (random small model, dt in [1e-4, 1e-3], one token repeated, 256 tokens: mean
+KL fp16 SR 9.7e-14 vs RTN 4.0e-12, int8 SR 1.2e-12 vs RTN 1.8e-11; tests/infer/test_cache.py). Where the state
+forgets quickly (the bench's trained Markov-chain model, 1024 tokens: fp16 SR 7.6e-10 vs RTN 1.1e-10, int8 SR 4.8e-7
+vs RTN 3.4e-7) or the input is random, RTN's errors do not accumulate and SR's extra variance makes it the worse of
+the two, by up to 7x. The report's advantage of SR (Table 16) was measured on a large model over long generations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
-from hybridtron.config import ATTENTION, MAMBA, ModelConfig
+from hybridtron.config import ModelConfig
 from hybridtron.infer.state_quant import INT8_BLOCK, MODES, roundtrip
+from hybridtron.model.state import KVCache, LayerStates, MambaState, allocate_layers, select_layers
 
 STORED_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 INT8_SCALE_BYTES = 4
 
 
 @dataclass
-class KVCache:
-    k_BHTD: torch.Tensor  # [batch, kv heads, max_len, head_dim]
-    v_BHTD: torch.Tensor
+class RecordedSteps:
+    """A Mamba layer's state after each token of a recorded forward of T tokens."""
 
-
-@dataclass
-class MambaState:
-    conv_BCK: torch.Tensor  # [batch, conv channels, kernel - 1]: the raw conv inputs of the last tokens
-    ssm_BHPN: torch.Tensor  # [batch, heads, head_dim, state], fp32
-    record_steps: bool = False
-    # when record_steps: the state after each token of the last forward, [batch, T, ...]
-    conv_steps: torch.Tensor | None = None
-    ssm_steps: torch.Tensor | None = None
+    conv_BTCK: torch.Tensor  # [batch, T, conv channels, kernel - 1]
+    ssm_BTHPN: torch.Tensor  # [batch, T, heads, head_dim, state]
 
 
 def check_state_quant(mode: str) -> str:
@@ -61,13 +63,12 @@ def check_state_quant(mode: str) -> str:
 
 
 @dataclass
-class HybridCache:
-    layers: list  # one KVCache, MambaState or None per layer
-    lengths: torch.Tensor  # [batch] tokens already in the cache, per sequence
+class HybridCache(LayerStates):
     max_len: int
-    extra: dict = field(default_factory=dict)  # e.g. the MTP block's own cache
     state_quant: str = "fp32"
     quant_generator: torch.Generator | None = None
+    # by layer index: the states after each token of the last recorded forward (until `rewind_to`)
+    recorded: dict[int, RecordedSteps] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, max_len: int, *, dtype=torch.float32, device="cpu",
@@ -80,63 +81,93 @@ class HybridCache:
         if state_quant != "fp32" and state_dtype != torch.float32:
             raise ValueError(f"state_quant={state_quant!r} rounds an fp32 state buffer; state_dtype must be "
                              f"torch.float32, got {state_dtype}")
-        layers = []
-        conv_channels = config.mamba_inner_size + 2 * config.n_groups * config.ssm_state_size
-        for kind in kinds or config.layers_block_type:
-            if kind == ATTENTION:
-                shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
-                layers.append(KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                                      torch.zeros(shape, dtype=dtype, device=device)))
-            elif kind == MAMBA:
-                layers.append(MambaState(
-                    torch.zeros(batch, conv_channels, config.conv_kernel - 1, dtype=dtype, device=device),
-                    torch.zeros(batch, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size,
-                                dtype=state_dtype, device=device)))
-            else:
-                layers.append(None)
+        layers = allocate_layers(config, batch, max_len, dtype=dtype, device=device, state_dtype=state_dtype,
+                                 kinds=kinds)
         generator = None
         if state_quant != "fp32":
             generator = torch.Generator(device=device).manual_seed(quant_seed)
         return cls(layers, torch.zeros(batch, dtype=torch.long, device=device), max_len,
                    state_quant=state_quant, quant_generator=generator)
 
-    @property
-    def batch_size(self) -> int:
-        return self.lengths.shape[0]
-
     def select(self, index: int) -> "HybridCache":
-        """A view of one sequence (writes go through to this cache); used to prefill prompts one at a time."""
-        def row(t):
-            return t[index:index + 1]
+        """A view of one sequence (writes go through to this cache)."""
+        return self.rows(index, index + 1)
+
+    def rows(self, start: int, stop: int) -> "HybridCache":
+        """A view of sequences start..stop-1 (writes go through to this cache); used to prefill some rows."""
+        rows = slice(start, stop)
+        return HybridCache(select_layers(self.layers, rows), self.lengths[rows], self.max_len,
+                           state_quant=self.state_quant, quant_generator=self.quant_generator)
+
+    def copy_row(self, source: int, targets: Sequence[int]) -> None:
+        """Make rows `targets` hold what row `source` holds (its positions, states and length): samples of one
+        prompt share its prefill, and a freed slot takes the batch's last sequence."""
+        self.copy_row_from(self, source, targets)
+
+    def copy_row_from(self, other: "HybridCache", source: int, targets: Sequence[int]) -> None:
+        """Make rows `targets` hold what row `source` of `other` (a cache of the same layers, or this one) holds:
+        the keys and values up to its length, the Mamba states, the length. Positions past the length are not
+        copied: nothing reads them."""
+        targets = list(targets)
+        if not targets:
+            return
+        length = int(other.lengths[source])
+        same = other is self
+        for layer, from_layer in zip(self.layers, other.layers):
+            # a row copied within one tensor is read out first: an indexed write may not read the tensor it writes
+            if isinstance(layer, KVCache):
+                for mine, theirs in ((layer.k_BHTD, from_layer.k_BHTD), (layer.v_BHTD, from_layer.v_BHTD)):
+                    row = theirs[source, :, :length]
+                    mine[targets, :, :length] = row.clone() if same else row
+            elif isinstance(layer, MambaState):
+                for mine, theirs in ((layer.conv_BCK, from_layer.conv_BCK), (layer.ssm_BHPN, from_layer.ssm_BHPN)):
+                    mine[targets] = theirs[source].clone() if same else theirs[source]
+        self.lengths[targets] = length
+
+    def reset_rows(self, start: int, stop: int) -> None:
+        """Empty rows start..stop-1: length 0 and zero Mamba states, where a new prompt starts (keys and values
+        past a row's length are never read, so they stay)."""
+        for layer in self.layers:
+            if isinstance(layer, MambaState):
+                layer.conv_BCK[start:stop].zero_()
+                layer.ssm_BHPN[start:stop].zero_()
+        self.lengths[start:stop] = 0
+
+    def resized(self, rows: int, max_len: int | None = None) -> "HybridCache":
+        """A cache of `rows` rows of `max_len` positions (default: as now; same layers and format) holding what this
+        cache's first rows hold."""
+        max_len = max_len or self.max_len
+        assert max_len >= self.max_len or int(self.lengths.max()) <= max_len, "resizing would drop positions"
         layers = []
         for layer in self.layers:
             if isinstance(layer, KVCache):
-                layers.append(KVCache(row(layer.k_BHTD), row(layer.v_BHTD)))
+                layers.append(KVCache(*(_resized_kv(t, rows, max_len) for t in (layer.k_BHTD, layer.v_BHTD))))
             elif isinstance(layer, MambaState):
-                layers.append(MambaState(row(layer.conv_BCK), row(layer.ssm_BHPN)))
+                layers.append(MambaState(resized_rows(layer.conv_BCK, rows), resized_rows(layer.ssm_BHPN, rows)))
             else:
                 layers.append(None)
-        return HybridCache(layers, row(self.lengths), self.max_len, state_quant=self.state_quant,
+        return HybridCache(layers, resized_rows(self.lengths, rows), max_len, state_quant=self.state_quant,
                            quant_generator=self.quant_generator)
 
-    def set_record_steps(self, on: bool) -> None:
-        for layer in self.layers:
-            if isinstance(layer, MambaState):
-                layer.record_steps = on
-                layer.conv_steps = layer.ssm_steps = None
+    def record(self, state: MambaState, steps: RecordedSteps) -> None:
+        """Keep a Mamba layer's per-token states of the forward that is running (fastpath calls this)."""
+        index = next(i for i, layer in enumerate(self.layers) if layer is state)
+        self.recorded[index] = steps
 
     def rewind_to(self, kept_new_tokens: torch.Tensor, new_tokens: int) -> None:
         """After a recorded forward of `new_tokens` tokens, keep only the first `kept_new_tokens[b]` of them."""
-        batch = torch.arange(self.batch_size, device=self.lengths.device)
-        slot = kept_new_tokens - 1
         if (kept_new_tokens < 1).any():
             raise ValueError("rewind_to keeps at least one of the recorded tokens per sequence")
-        for layer in self.layers:
-            if isinstance(layer, MambaState):
-                if layer.ssm_steps is None:
-                    raise RuntimeError("rewind_to needs a forward with record_steps on")
-                layer.conv_BCK.copy_(layer.conv_steps[batch, slot])
-                layer.ssm_BHPN.copy_(layer.ssm_steps[batch, slot])
+        mamba_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, MambaState)]
+        if any(i not in self.recorded for i in mamba_layers):
+            raise RuntimeError("rewind_to needs a recorded forward (`fastpath.forward(..., record=True)`) first")
+        batch = torch.arange(self.batch_size, device=self.lengths.device)
+        slot = kept_new_tokens - 1
+        for i in mamba_layers:
+            state, steps = self.layers[i], self.recorded[i]
+            state.conv_BCK.copy_(steps.conv_BTCK[batch, slot])
+            state.ssm_BHPN.copy_(steps.ssm_BTHPN[batch, slot])
+        self.recorded.clear()
         self.lengths -= new_tokens - kept_new_tokens
 
     @torch.no_grad()
@@ -150,8 +181,8 @@ class HybridCache:
         for layer in self.layers:
             if isinstance(layer, MambaState):
                 layer.ssm_BHPN.copy_(roundtrip(layer.ssm_BHPN, self.state_quant, self.quant_generator))
-                if layer.ssm_steps is not None:
-                    layer.ssm_steps = roundtrip(layer.ssm_steps, self.state_quant, self.quant_generator)
+        for steps in self.recorded.values():
+            steps.ssm_BTHPN = roundtrip(steps.ssm_BTHPN, self.state_quant, self.quant_generator)
 
     def ssm_state_bytes(self, state: MambaState) -> int:
         """Bytes of one layer's SSM state as the `state_quant` format stores it (fp32: the buffer itself)."""
@@ -166,6 +197,10 @@ class HybridCache:
             total += blocks * INT8_SCALE_BYTES
         return total
 
+    def slot_bytes(self) -> int:
+        """Bytes of one row (one sequence's slot): `memory_bytes() / rows`."""
+        return self.memory_bytes() // self.batch_size
+
     def memory_bytes(self) -> int:
         total = 0
         for layer in self.layers:
@@ -176,39 +211,16 @@ class HybridCache:
         return total
 
 
-# ------------------------------------------------------------------------------------------- drift of a mode
-@dataclass
-class DriftResult:
-    mode: str
-    kl_per_position: torch.Tensor  # [T] KL(fp32-cache model || this mode), mean over the batch
-    mean_kl: float
-    last_quarter_kl: float  # mean over the last quarter of the positions, where drift has had time to build up
+def resized_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """A tensor of `rows` rows holding `tensor`'s first rows (zeros after them)."""
+    out = tensor.new_zeros(rows, *tensor.shape[1:])
+    kept = min(rows, tensor.shape[0])
+    out[:kept] = tensor[:kept]
+    return out
 
 
-@torch.no_grad()
-def state_quant_drift(model, tokens_BT: torch.Tensor, modes, seed: int = 0) -> dict[str, DriftResult]:
-    """How far decoding with a lower-precision SSM state drifts from the fp32-cache model.
-
-    Teacher forcing: every mode decodes the same tokens one at a time (the state is stored, and rounded, after
-    each token, as in generation); at each position the KL divergence from the fp32-cache model's next-token
-    distribution to this mode's is averaged over the batch. Position 0 has not read a rounded state yet (KL 0).
-    """
-    batch, length = tokens_BT.shape
-
-    def decode_logprobs(mode: str) -> torch.Tensor:
-        cache = HybridCache.allocate(model.config, batch, length, dtype=model.lm_head.weight.dtype,
-                                     device=tokens_BT.device, state_quant=mode, quant_seed=seed)
-        out = []
-        for t in range(length):
-            logits = model(tokens_BT[:, t:t + 1], cache=cache, mtp=False).logits[:, -1]
-            cache.store_states()
-            out.append(torch.log_softmax(logits.double(), dim=-1))
-        return torch.stack(out, 1)  # [B, T, V]
-
-    reference = decode_logprobs("fp32")
-    results = {}
-    for mode in modes:
-        logprobs = decode_logprobs(check_state_quant(mode))
-        kl = (reference.exp() * (reference - logprobs)).sum(-1).mean(0).float()
-        results[mode] = DriftResult(mode, kl, float(kl.mean()), float(kl[-max(1, length // 4):].mean()))
-    return results
+def _resized_kv(tensor_BHTD: torch.Tensor, rows: int, positions: int) -> torch.Tensor:
+    out = tensor_BHTD.new_zeros(rows, tensor_BHTD.shape[1], positions, tensor_BHTD.shape[3])
+    kept_rows, kept_positions = min(rows, tensor_BHTD.shape[0]), min(positions, tensor_BHTD.shape[2])
+    out[:kept_rows, :, :kept_positions] = tensor_BHTD[:kept_rows, :, :kept_positions]
+    return out

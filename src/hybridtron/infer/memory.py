@@ -12,7 +12,15 @@ The crossover is the shortest context at which the KV cache of a sequence is at 
 below it the constant Mamba state dominates, above it the KV cache does. Ultra, FP8 KV, fp32 SSM + bf16 conv:
 6,144 B/token, 389 MiB of state, crossover at 66,400 tokens (65,536 = 64K counting the SSM state alone).
 
+Slots for a memory budget (`--budget-gib`): the engine (`hybridtron.infer.engine.HybridEngine(memory_budget_gib=
+...)`) keeps one slot per sequence it decodes at once, each holding a sequence's KV cache at the full context, its
+Mamba state and, with speculative decoding (`--include-mtp`), the MTP block's KV cache over `CATCH_UP_WIDTH` more
+positions and the drafter's catch-up buffer (that many hidden states); one more row of all of it stages prefills.
+`slot_bytes` is exactly what the engine allocates per slot (tests/infer/test_memory.py checks it against the
+engine's caches).
+
 `hybridtron memory --preset ultra3 --context 262144 --batch 8 --kv-dtype fp8 --state-dtype fp32`
+`hybridtron memory --config runs/quickstart/hf --kv-dtype fp32 --conv-dtype fp32 --include-mtp --budget-gib 1`
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ KV_DTYPES = ("fp8", "bf16", "fp16", "fp32")
 STATE_DTYPES = ("fp32", "fp16", "bf16", "int8")
 CONV_DTYPES = ("fp32", "fp16", "bf16")
 INT8_BLOCK = 128  # elements per fp32 scale of an int8 SSM state, along ssm_state_size (as state_quant stores it)
+CATCH_UP_WIDTH = 64  # positions a speculative engine's drafter may lag the backbone (`hybridtron.infer.speculative`)
 SCALE_BYTES = 4
 MiB = 1024 ** 2
 GiB = 1024 ** 3
@@ -87,6 +96,31 @@ def crossover_context(kv_per_token: int, state_per_sequence: int) -> int | None:
     return math.ceil(state_per_sequence / kv_per_token)
 
 
+def slot_bytes(config: ModelConfig, context: int, kv_dtype: str = "fp32", state_dtype: str = "fp32",
+               conv_dtype: str = "fp32", include_mtp: bool = False) -> int:
+    """Cache bytes of one engine slot at `context` positions (see the module docstring)."""
+    total = kv_bytes_per_token(config, kv_dtype) * context + mamba_state_bytes(config, state_dtype, conv_dtype)
+    if include_mtp and config.has_mtp:
+        mtp_kv = kv_bytes_per_token(config, kv_dtype, include_mtp=True) - kv_bytes_per_token(config, kv_dtype)
+        hidden_bytes = BYTES_PER_ELEMENT[conv_dtype]  # the activation dtype, as the conv state's
+        total += mtp_kv * (context + CATCH_UP_WIDTH) + CATCH_UP_WIDTH * (config.hidden_size * hidden_bytes + 8) + 8
+    return total
+
+
+def slots_for_budget(config: ModelConfig, budget_gib: float, context: int, kv_dtype: str = "fp32",
+                     state_dtype: str = "fp32", conv_dtype: str = "fp32", include_mtp: bool = False) -> int:
+    """Slots (sequences decoding at once) that fit in `budget_gib` GiB of cache, one more row staging prefills;
+    ValueError when not even one does."""
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)) or not budget_gib > 0:
+        raise ValueError(f"memory budget must be a number of GiB > 0, got {budget_gib!r}")
+    per_slot = slot_bytes(config, context, kv_dtype, state_dtype, conv_dtype, include_mtp)
+    slots = int(budget_gib * GiB) // per_slot - 1
+    if slots < 1:
+        raise ValueError(f"a memory budget of {budget_gib} GiB holds no slot: one slot at context {context:,} takes "
+                         f"{human_bytes(per_slot)}, and one more row stages prefills (two at least)")
+    return slots
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """Everything `hybridtron memory` prints; bytes unless the name says otherwise."""
@@ -107,10 +141,14 @@ class MemoryReport:
     total: int
     crossover_tokens: int | None
     crossover_ssm_only_tokens: int | None
+    slot_bytes: int  # one engine slot at this context (`slot_bytes`)
+    budget_gib: float | None = None
+    slots_in_budget: int | None = None
 
 
 def memory_report(config: ModelConfig, context: int, batch: int = 1, kv_dtype: str = "fp8",
-                  state_dtype: str = "fp32", conv_dtype: str = "bf16", include_mtp: bool = False) -> MemoryReport:
+                  state_dtype: str = "fp32", conv_dtype: str = "bf16", include_mtp: bool = False,
+                  budget_gib: float | None = None) -> MemoryReport:
     """KV cache and Mamba state of `batch` sequences of `context` tokens each."""
     for name, value in (("context", context), ("batch", batch)):
         if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "context" else 1):
@@ -127,6 +165,10 @@ def memory_report(config: ModelConfig, context: int, batch: int = 1, kv_dtype: s
         mamba_state_per_sequence=ssm + conv, kv_total=kv_total, mamba_total=mamba_total,
         total=kv_total + mamba_total, crossover_tokens=crossover_context(kv_per_token, ssm + conv),
         crossover_ssm_only_tokens=crossover_context(kv_per_token, ssm),
+        slot_bytes=slot_bytes(config, context, kv_dtype, state_dtype, conv_dtype, include_mtp),
+        budget_gib=budget_gib,
+        slots_in_budget=None if budget_gib is None else
+        slots_for_budget(config, budget_gib, context, kv_dtype, state_dtype, conv_dtype, include_mtp),
     )
 
 
@@ -152,7 +194,10 @@ def format_report(report: MemoryReport, name: str) -> str:
         ("Mamba state total", human_bytes(r.mamba_total)),
         ("total", f"{human_bytes(r.total)}  ({larger} is larger)"),
         ("crossover (KV >= Mamba state)", crossover),
+        ("engine slot (one sequence)", human_bytes(r.slot_bytes)),
     ]
+    if r.budget_gib is not None:
+        rows.append((f"slots in {r.budget_gib:g} GiB", f"{r.slots_in_budget:,} (and one row staging prefills)"))
     header = (f"{name}: {r.attention_layers} attention layers, {r.mamba_layers} Mamba layers; "
               f"context {r.context:,}, batch {r.batch}")
     lines = [header] + [f"  {label + ':':<34}{value}" for label, value in rows]
@@ -170,6 +215,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32", help="SSM state dtype")
     parser.add_argument("--conv-dtype", choices=CONV_DTYPES, default="bf16", help="conv state dtype")
     parser.add_argument("--include-mtp", action="store_true", help="count the MTP block's attention KV cache too")
+    parser.add_argument("--budget-gib", type=float, default=None,
+                        help="also print how many engine slots (sequences decoding at once) fit in this much cache "
+                             "memory, in GiB")
     parser.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
 
 
@@ -183,6 +231,6 @@ def run(args) -> int:
         config = preset(name)
     context = config.max_position_embeddings if args.context is None else args.context
     report = memory_report(config, context, args.batch, args.kv_dtype, args.state_dtype, args.conv_dtype,
-                           args.include_mtp)
+                           args.include_mtp, args.budget_gib)
     print(json.dumps(asdict(report)) if args.json else format_report(report, name))
     return 0

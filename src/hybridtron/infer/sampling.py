@@ -1,28 +1,39 @@
-"""Sampling: logits -> a filtered distribution -> a token; and the acceptance rule of speculative decoding.
+"""Sampling: logits -> a filtered distribution -> a token, per row of a batch, with noise that belongs to the request.
 
 Recipe (the order of Hugging Face and vLLM): divide the logits by the temperature, keep the top-k logits, take the
 softmax, keep the nucleus (the smallest set of most likely tokens whose mass reaches top_p), renormalise, sample.
-Temperature 0 is greedy: the distribution is one-hot on the argmax, so every function below (speculative
-acceptance included) treats greedy and sampled decoding alike.
+Temperature 0 is greedy: the most likely token of the unfiltered logits. Every row of a batch has its own
+parameters (`RowSampling`: one request's temperature, top-k and top-p per row).
 
-Speculative decoding (Leviathan et al. 2023, Algorithm 1): a drafter proposed k tokens x_i ~ q_i; the target scored
-the k+1 positions in one forward, giving p_0..p_k. Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the
-first rejection sample the next token from norm(max(0, p_i - q_i)); if all k are accepted sample a bonus token from
-p_k. The emitted tokens are distributed exactly as sampling from p one token at a time, whatever q is, provided
-p and q are the distributions after the same filtering (both from `probs_from_logits` with the same parameters).
-The greedy variant accepts the longest prefix where the target's argmax equals the draft, then adds the target's
-argmax at the first mismatch (or after the last draft): it emits exactly the target's greedy tokens.
+Drawing (the exponential race, i.e. the Gumbel-max trick): token = argmax_v p_v / E_v with E_v ~ Exp(1) independent
+per token, which is exactly a draw from p. The noise E of a row comes from a counter-based hash of (the request's
+key, the index of the generated token, the token id) (`exponential_noise`), never from a stateful generator, so:
 
-Every sampler here draws its randomness as uniforms and maps them through the inverse CDF, so that the vectorised
-`speculative_accept_batch` and its sequential twin `speculative_accept_ref` are comparable token for token.
+- a request's tokens depend on its seed alone: not on the other rows of the batch, on when it joined, on
+  speculative decoding being on or off, or on the draft length;
+- speculative verification is greedy verification on the perturbed scores: the draft of a position is the argmax of
+  the drafter's distribution under the same noise, and the target accepts it iff its own perturbed argmax is the
+  same token. The emitted tokens are exactly those of plain sampling with that noise, whatever the drafts were, so
+  the output is distributed as plain sampling (and identical to it, seed for seed).
 
-Shapes: B batch, K draft length, V vocabulary.
+Where this departs from Leviathan et al. (2023, rejection sampling with min(1, p/q), the SPEC's rule): both keep
+the target's distribution exactly, but Leviathan's maximal coupling accepts a draft with probability sum_v min(p, q)
+while the shared-noise coupling accepts less often (at least (1 - TV) / (1 + TV)): on the quickstart checkpoint at
+T = 1, 0.72 against 0.77 per depth-1 draft (BENCHMARKS.md). What it buys is the reproducibility above: with
+rejection sampling a draw depends on how many drafts each step verified, which an adaptive draft length and
+continuous batching change from run to run.
+
+Log-probabilities reported for a token are under the distribution it was drawn from: the filtered distribution of
+its row (`row_probs`); for a greedy row, log_softmax of the unscaled, unfiltered logits.
+
+Shapes: B batch (rows), T positions, V vocabulary.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -57,7 +68,8 @@ def check_filter_args(temperature: float, top_k: int, top_p: float) -> None:
 class SamplingParams:
     """How to pick tokens, and when to stop. Defaults sample from the model's plain distribution.
 
-    temperature: 0 = greedy; top_k: 0 = off; top_p: 1 = off. seed: a fixed seed makes a request reproducible.
+    temperature: 0 = greedy; top_k: 0 = off; top_p: 1 = off. seed: a fixed seed makes a request reproducible (its
+    noise key comes from it, `noise_key`); None draws a key from torch's global RNG.
     max_tokens: most tokens to generate (0 allowed: nothing is generated). stop: strings that end the text (not
     included in it); stop_token_ids: token ids that end it (their text is not included either).
     """
@@ -89,12 +101,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    def generator(self, device: str | torch.device = "cpu") -> torch.Generator | None:
-        """A generator seeded with `seed`, or None (the global RNG) when no seed is set."""
-        if self.seed is None:
-            return None
-        return torch.Generator(device=device).manual_seed(self.seed)
 
 
 # ------------------------------------------------------------------------------------------ distributions
@@ -130,126 +136,173 @@ def probs_from_logits(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: 
     return probs
 
 
-def inverse_cdf_sample(probs_BV: torch.Tensor, uniforms_B: torch.Tensor) -> torch.Tensor:
-    """Token i such that cdf[i-1] <= u * total < cdf[i]; rows need not be normalised; shape [...] from [..., V].
-
-    A zero-probability token is never returned: the search skips flat stretches of the CDF, and the result is capped
-    at the last token with positive mass in case u * total rounds up to the total.
-    """
-    cdf = probs_BV.float().cumsum(dim=-1)
-    target = uniforms_B.float().unsqueeze(-1) * cdf[..., -1:]
-    index = (cdf <= target).sum(dim=-1)
-    vocab = probs_BV.shape[-1]
-    last_positive = vocab - 1 - (probs_BV > 0).flip(-1).float().argmax(dim=-1)
-    return torch.minimum(index, last_positive)
 
 
-def sample(probs_BV: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row of a distribution [..., V] (rows need not be normalised)."""
-    uniforms = torch.rand(probs_BV.shape[:-1], generator=generator, device=probs_BV.device)
-    return inverse_cdf_sample(probs_BV, uniforms)
+# ---------------------------------------------------------------------------------------- per-row sampling
+@dataclass
+class RowSampling:
+    """The sampling parameters of every row of a batch, as tensors [B] (one request per row).
+
+    Greedy rows carry temperature 1 and no filter (their distribution only serves their log-probs); rows without
+    top-k carry top_k = 0, rows without top-p carry top_p = 1. The flags let the common cases skip work."""
+
+    temperature_B: torch.Tensor  # float32
+    top_k_B: torch.Tensor  # long, 0 = off
+    top_p_B: torch.Tensor  # float32, 1 = off
+    greedy_B: torch.Tensor  # bool
+    all_greedy: bool
+    max_top_k: int  # the largest top-k of a row (0: none), as a Python int: a compiled step does not read tensors
+    any_top_p: bool
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], device: str | torch.device = "cpu") -> "RowSampling":
+        greedy_rows = [p.greedy for p in params]
+        return cls(
+            temperature_B=torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device),
+            top_k_B=torch.tensor([0 if p.greedy else p.top_k for p in params], dtype=torch.long, device=device),
+            top_p_B=torch.tensor([1.0 if p.greedy else p.top_p for p in params], device=device),
+            greedy_B=torch.tensor(greedy_rows, dtype=torch.bool, device=device),
+            all_greedy=all(greedy_rows), max_top_k=max((p.top_k for p in params if not p.greedy), default=0),
+            any_top_p=any(not p.greedy and p.top_p < 1.0 for p in params))
+
+    def pad(self, rows: int) -> "RowSampling":
+        """The same rows followed by greedy rows up to `rows` (the padding of a fixed-size compiled batch)."""
+        extra = rows - self.greedy_B.shape[0]
+        if extra <= 0:
+            return self
+
+        def grow(t, value):
+            return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+        return RowSampling(grow(self.temperature_B, 1.0), grow(self.top_k_B, 0), grow(self.top_p_B, 1.0),
+                           grow(self.greedy_B, True), self.all_greedy, self.max_top_k, self.any_top_p)
 
 
-# ------------------------------------------------------------------------------------- speculative decoding
-def _check_speculative_shapes(draft_tokens_BK, draft_probs_BKV, target_probs_BKV):
-    if draft_tokens_BK.dim() != 2:
-        raise ValueError(f"draft_tokens must be [batch, k], got shape {tuple(draft_tokens_BK.shape)}")
-    batch, k = draft_tokens_BK.shape
-    if draft_probs_BKV.dim() != 3 or draft_probs_BKV.shape[:2] != (batch, k):
-        raise ValueError(f"draft_probs must be [batch={batch}, k={k}, vocab], got {tuple(draft_probs_BKV.shape)}")
-    vocab = draft_probs_BKV.shape[-1]
-    if tuple(target_probs_BKV.shape) != (batch, k + 1, vocab):
-        raise ValueError(f"target_probs must be [batch={batch}, k+1={k + 1}, vocab={vocab}], "
-                         f"got {tuple(target_probs_BKV.shape)}")
+def row_probs(logits_BTV: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """Each row's filtered distribution (fp32), as `probs_from_logits` gives it for that row's parameters; greedy
+    rows get the unfiltered softmax at temperature 1."""
+    logits = logits_BTV.float() / rows.temperature_B.view(-1, *[1] * (logits_BTV.dim() - 1))
+    extra = logits_BTV.dim() - 1  # dims after the row axis
+    if rows.max_top_k:
+        top_k = rows.top_k_B.view(-1, *[1] * extra)
+        kth_largest = logits.topk(min(rows.max_top_k, logits.shape[-1]), dim=-1).values.gather(
+            -1, (top_k.clamp(1, logits.shape[-1]) - 1).expand(*logits.shape[:-1], 1))
+        logits = logits.masked_fill((top_k > 0) & (top_k < logits.shape[-1]) & (logits < kth_largest), -math.inf)
+    probs = logits.softmax(dim=-1)
+    if rows.any_top_p:
+        top_p = rows.top_p_B.view(-1, *[1] * extra)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter_(-1, order, mass_before >= top_p)
+        nucleus = probs.masked_fill(drop, 0.0)
+        probs = torch.where(top_p < 1.0, nucleus / nucleus.sum(dim=-1, keepdim=True), probs)
+    return probs
 
 
-def speculative_accept_batch(draft_tokens_BK: torch.Tensor, draft_probs_BKV: torch.Tensor,
-                             target_probs_BKV: torch.Tensor, generator: torch.Generator | None = None,
-                             uniforms_BK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Leviathan rejection sampling for a batch: (n_accepted [B], next_token [B]).
-
-    draft_tokens [B, K] were sampled from draft_probs [B, K, V]; target_probs [B, K+1, V] is the target's
-    distribution at each draft position plus the one after the last draft. Sequence b emits
-    draft_tokens[b, :n_accepted[b]] and then next_token[b]. `uniforms` [B, K+1] (K for the acceptance tests, one
-    for the final sample) replaces the generator's draws, to replay a decision exactly.
-    """
-    _check_speculative_shapes(draft_tokens_BK, draft_probs_BKV, target_probs_BKV)
-    batch, k = draft_tokens_BK.shape
-    if uniforms_BK is None:
-        uniforms_BK = torch.rand(batch, k + 1, generator=generator, device=target_probs_BKV.device)
-    draft = draft_tokens_BK.unsqueeze(-1)
-    p_BK = target_probs_BKV[:, :k].float().gather(-1, draft).squeeze(-1)
-    q_BK = draft_probs_BKV.float().gather(-1, draft).squeeze(-1)
-    # u < p/q, written without a division: a draft with q = 0 (impossible unless the caller passes a q that did
-    # not produce the draft) is accepted iff p > 0.
-    accepted_BK = uniforms_BK[:, :k] * q_BK < p_BK
-    n_accepted = accepted_BK.long().cumprod(dim=1).sum(dim=1)
-    rows = torch.arange(batch, device=n_accepted.device)
-    p_next_BV = target_probs_BKV[rows, n_accepted].float()
-    if k > 0:
-        rejected = (n_accepted < k).unsqueeze(-1)
-        q_next_BV = draft_probs_BKV[rows, n_accepted.clamp(max=k - 1)].float() * rejected
-        residual = (p_next_BV - q_next_BV).clamp(min=0)
-        # After a rejection the residual has positive mass in exact arithmetic; fall back to p if rounding ate it.
-        p_next_BV = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next_BV)
-    next_token = inverse_cdf_sample(p_next_BV, uniforms_BK[:, k])
-    return n_accepted, next_token
+def choose_tokens(logits_BTV: torch.Tensor, rows: RowSampling,
+                  noise_BTV: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tokens [B, T], the sampled rows' distributions [B, T, V] or None when every row is greedy): greedy rows
+    take the argmax of their logits, the others the exponential race against `noise` (`exponential_noise`)."""
+    argmax = logits_BTV.argmax(dim=-1)
+    if rows.all_greedy:
+        return argmax, None
+    probs = row_probs(logits_BTV, rows)
+    raced = (probs / noise_BTV).argmax(dim=-1)
+    greedy = rows.greedy_B.view(-1, *[1] * (argmax.dim() - 1))
+    return torch.where(greedy, argmax, raced), probs
 
 
-def speculative_accept(draft_tokens_K: torch.Tensor, draft_probs_KV: torch.Tensor, target_probs_KV: torch.Tensor,
-                       generator: torch.Generator | None = None) -> tuple[int, int]:
-    """Leviathan rejection sampling for one sequence: (n_accepted, next_token).
-
-    draft_tokens [K] sampled from draft_probs [K, V]; target_probs [K+1, V]. Emit draft_tokens[:n_accepted], then
-    next_token.
-    """
-    n_accepted, next_token = speculative_accept_batch(
-        torch.as_tensor(draft_tokens_K, dtype=torch.long, device=target_probs_KV.device).unsqueeze(0),
-        draft_probs_KV.unsqueeze(0), target_probs_KV.unsqueeze(0), generator)
-    return int(n_accepted[0]), int(next_token[0])
+def row_logprobs(logits_BTV: torch.Tensor, rows: RowSampling, probs_BTV: torch.Tensor | None) -> torch.Tensor:
+    """log p over the vocabulary under each row's sampled distribution (see the module docstring)."""
+    greedy = torch.log_softmax(logits_BTV.float(), dim=-1)
+    if probs_BTV is None:
+        return greedy
+    return torch.where(rows.greedy_B.view(-1, *[1] * (logits_BTV.dim() - 1)), greedy, probs_BTV.log())
 
 
-def speculative_accept_ref(draft_tokens_K: torch.Tensor, draft_probs_KV: torch.Tensor,
-                           target_probs_KV: torch.Tensor, uniforms_K: torch.Tensor) -> tuple[int, int]:
-    """Algorithm 1 of Leviathan et al., one position at a time: the twin of `speculative_accept_batch`.
-
-    uniforms [K+1] are the same draws the batched version takes (row b of its `uniforms`).
-    """
-    k = len(draft_tokens_K)
-    for i in range(k):
-        token = int(draft_tokens_K[i])
-        p, q = target_probs_KV[i, token].float(), draft_probs_KV[i, token].float()
-        if not bool(uniforms_K[i].float() * q < p):  # same comparison as the batched version, rounding included
-            residual = (target_probs_KV[i].float() - draft_probs_KV[i].float()).clamp(min=0)
-            if residual.sum() <= 0:
-                residual = target_probs_KV[i].float()
-            return i, int(inverse_cdf_sample(residual, uniforms_K[k]))
-    return k, int(inverse_cdf_sample(target_probs_KV[k].float(), uniforms_K[k]))
+# ------------------------------------------------------------------------------------------ the noise
+MASK32 = 0xFFFFFFFF
+GOLDEN32 = 0x9E3779B9
+_token_hashes: dict[tuple[int, str], torch.Tensor] = {}
 
 
-def speculative_accept_greedy_batch(draft_tokens_BK: torch.Tensor,
-                                    target_logits_BKV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification for a batch: (n_accepted [B], next_token [B]).
-
-    target_logits [B, K+1, V] (logits or probabilities: only the argmax matters). n_accepted is the length of the
-    longest prefix where the target's argmax equals the draft; next_token is the target's argmax right after it.
-    """
-    if draft_tokens_BK.dim() != 2:
-        raise ValueError(f"draft_tokens must be [batch, k], got shape {tuple(draft_tokens_BK.shape)}")
-    batch, k = draft_tokens_BK.shape
-    if target_logits_BKV.dim() != 3 or target_logits_BKV.shape[:2] != (batch, k + 1):
-        raise ValueError(f"target_logits must be [batch={batch}, k+1={k + 1}, vocab], "
-                         f"got {tuple(target_logits_BKV.shape)}")
-    target_tokens_BK = target_logits_BKV.argmax(dim=-1)
-    matches = (target_tokens_BK[:, :k] == draft_tokens_BK).long()
-    n_accepted = matches.cumprod(dim=1).sum(dim=1)
-    next_token = target_tokens_BK.gather(1, n_accepted.unsqueeze(1)).squeeze(1)
-    return n_accepted, next_token
+def fmix32(h: int) -> int:
+    """MurmurHash3's finalizer on a 32-bit value: every input bit flips about half the output bits."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
 
 
-def speculative_accept_greedy(draft_tokens_K: torch.Tensor, target_logits_KV: torch.Tensor) -> tuple[int, int]:
-    """Greedy verification for one sequence: (n_accepted, next_token); see `speculative_accept_greedy_batch`."""
-    n_accepted, next_token = speculative_accept_greedy_batch(
-        torch.as_tensor(draft_tokens_K, dtype=torch.long, device=target_logits_KV.device).unsqueeze(0),
-        target_logits_KV.unsqueeze(0))
-    return int(n_accepted[0]), int(next_token[0])
+def _signed32(value: int) -> int:
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """`fmix32` in place on an int32 tensor (two's complement: products wrap, shifts are masked to be logical)."""
+    h.bitwise_xor_((h >> 16) & 0xFFFF)
+    h.mul_(_signed32(0x85EBCA6B))
+    h.bitwise_xor_((h >> 13) & 0x7FFFF)
+    h.mul_(_signed32(0xC2B2AE35))
+    h.bitwise_xor_((h >> 16) & 0xFFFF)
+    return h
+
+
+def noise_key(seed: int, sample: int = 0) -> tuple[int, int]:
+    """The noise key of sample `sample` of a request seeded `seed` (any integer): two 32-bit words."""
+    x = (seed * 0x9E3779B97F4A7C15 + sample * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) % (1 << 64)
+    for _ in range(2):  # splitmix64's finalizer
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) % (1 << 64)
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) % (1 << 64)
+        x ^= x >> 31
+    return x & MASK32, x >> 32
+
+
+def stream_id(key: tuple[int, int], index: int) -> int:
+    """The 32-bit word of one (row, generated-token index) that the noise of every token is hashed from."""
+    return fmix32(key[0] ^ fmix32(key[1] ^ fmix32(index & MASK32)))
+
+
+def _fmix32_long(h: torch.Tensor) -> torch.Tensor:
+    """`fmix32` on 32-bit values held in an int64 tensor (the products pass 2^63 and wrap; the mask keeps the low
+    32 bits, which wrapping does not change)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
+
+
+def stream_ids(keys_B2: torch.Tensor, indices_BT: torch.Tensor) -> torch.Tensor:
+    """`stream_id` of every (row, index) as int32 [B, T]: `keys` int64 [B, 2], `indices` int64 [B, T]."""
+    inner = _fmix32_long(keys_B2[:, 1:] ^ _fmix32_long(indices_BT & MASK32))
+    sid = _fmix32_long(keys_B2[:, :1] ^ inner)
+    return (sid - ((sid >> 31) << 32)).to(torch.int32)  # the same 32 bits, two's complement
+
+
+def token_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    cached = (vocab, str(device))
+    if cached not in _token_hashes:
+        values = [_signed32(fmix32((v * GOLDEN32 + 1) & MASK32)) for v in range(vocab)]
+        _token_hashes[cached] = torch.tensor(values, dtype=torch.int32, device=device)
+    return _token_hashes[cached]
+
+
+def exponential_noise(stream_ids_BT: torch.Tensor, vocab: int) -> torch.Tensor:
+    """E [B, T, V] ~ Exp(1): token v's value is fmix32(stream id ^ hash(v)), read as a uniform u in (0, 1) with 23
+    bits and turned into -log(u). `stream_ids` (int32, `stream_id` of each row's key and token index) make it a
+    function of (request, index, token) only. One hash round per value: the values of two indices of a row are a
+    fixed pseudo-random permutation of each other's, which no sampling statistic can see."""
+    h = stream_ids_BT[..., None] ^ token_hashes(vocab, stream_ids_BT.device)
+    # u = (23 bits + 1/2) / 2^23 is exact in fp32 and below 1, so -log(u) > 0 (never 0: p / E stays finite)
+    uniform = ((fmix32_(h) >> 9) & 0x7FFFFF).float().add_(0.5).mul_(2.0 ** -23)
+    return uniform.log_().neg_()
+
+
+def exponential_noise_ref(key: tuple[int, int], index: int, vocab: int) -> list[float]:
+    """`exponential_noise` of one (row, index) in plain Python integers: the reference its tensors must match."""
+    sid = stream_id(key, index)
+    return [-math.log((((fmix32(sid ^ fmix32((v * GOLDEN32 + 1) & MASK32)) >> 9) & 0x7FFFFF) + 0.5) * 2.0 ** -23)
+            for v in range(vocab)]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Protocol, Sequence
 
-from hybridtron.infer.generate import TextStream
+from hybridtron.infer.text import TextStream
 from hybridtron.infer.sampling import ParamError, SamplingParams
 
 log = logging.getLogger("hybridtron.serve")

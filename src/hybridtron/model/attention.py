@@ -1,7 +1,7 @@
 """Causal grouped-query attention with no positional encoding (the Mamba layers carry position).
 
 With a `KVCache`, the new tokens' keys and values are written at each sequence's current length and the
-queries attend to everything cached so far (sequences of the batch may have different lengths). `static_step` is
+queries attend to everything cached so far (sequences of the batch may have different lengths). `decode_step` is
 the one-token form for a compiled decode step: every shape is fixed by the preallocated cache.
 """
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridtron.config import ModelConfig
-from hybridtron.infer.cache import KVCache
+from hybridtron.model.state import KVCache
 
 
 class Attention(nn.Module):
@@ -43,7 +43,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
-    def static_step(self, hidden_BD: torch.Tensor, kv: KVCache, lengths_B: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, hidden_BD: torch.Tensor, kv: KVCache, lengths_B: torch.Tensor) -> torch.Tensor:
         """One token per sequence, [B, D] -> [B, D], with shapes that never depend on the lengths (for a compiled
         decode step): the new key and value are written at each row's length by tensor indexing, and the query
         reads the whole preallocated cache with the positions past its length masked out. Nothing is read back
@@ -59,26 +59,18 @@ class Attention(nn.Module):
 
 
 def write_and_read(kv: KVCache, k_BHTD, v_BHTD, lengths: torch.Tensor):
-    """Write new keys/values at each sequence's length; return all cached keys/values and the causal mask."""
+    """Write new keys/values at each sequence's length; return the cached keys/values up to the longest sequence
+    and the mask [B, 1, new, visible] that lets each new token see its own sequence's positions up to itself."""
     batch, _, new, _ = k_BHTD.shape
     max_len = kv.k_BHTD.shape[2]
-    starts = lengths.tolist()
-    visible = max(starts) + new
+    visible = int(lengths.max()) + new
     if visible > max_len:
         raise ValueError(f"the KV cache holds {max_len} positions; this forward needs {visible}")
-    if min(starts) == max(starts):  # every row at the same position (batch 1 always): one slice per tensor
-        start = starts[0]
-        kv.k_BHTD[:, :, start:visible] = k_BHTD
-        kv.v_BHTD[:, :, start:visible] = v_BHTD
-        # a single new token sees every cached position: no mask
-        mask = None if new == 1 else \
-            torch.arange(visible, device=lengths.device) <= torch.arange(start, visible, device=lengths.device)[:, None]
-    else:
-        positions_BT = lengths[:, None] + torch.arange(new, device=lengths.device)
-        rows = torch.arange(batch, device=lengths.device)[:, None]
-        kv.k_BHTD[rows, :, positions_BT] = k_BHTD.transpose(1, 2).to(kv.k_BHTD.dtype)
-        kv.v_BHTD[rows, :, positions_BT] = v_BHTD.transpose(1, 2).to(kv.v_BHTD.dtype)
-        mask = (torch.arange(visible, device=lengths.device)[None, None, :] <= positions_BT[:, :, None])[:, None]
+    positions_BT = lengths[:, None] + torch.arange(new, device=lengths.device)
+    rows = torch.arange(batch, device=lengths.device)[:, None]
+    kv.k_BHTD[rows, :, positions_BT] = k_BHTD.transpose(1, 2).to(kv.k_BHTD.dtype)
+    kv.v_BHTD[rows, :, positions_BT] = v_BHTD.transpose(1, 2).to(kv.v_BHTD.dtype)
+    mask = (torch.arange(visible, device=lengths.device)[None, None, :] <= positions_BT[:, :, None])[:, None]
     return kv.k_BHTD[:, :, :visible].to(k_BHTD.dtype), kv.v_BHTD[:, :, :visible].to(v_BHTD.dtype), mask
 
 

@@ -1,4 +1,7 @@
-"""A residual block `h = h + mixer(norm(h))`, the mixer chosen by the layer kind."""
+"""A residual block `h = h + mixer(norm(h))`, the mixer chosen by the layer kind.
+
+`Block.forward` runs any number of tokens (training, prefill; from a `model.state` layer state when given);
+`Block.decode_step` one token per sequence with static shapes (the compiled decode step)."""
 
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ def build_mixer(kind: str, config: ModelConfig) -> nn.Module:
 
 def run_mixer(kind: str, mixer: nn.Module, normed_BTD: torch.Tensor, layer_cache=None, lengths=None,
               expert_ids=None):
-    """Attention reads and writes a KV cache, Mamba its state; the MoE may replay given routing choices."""
+    """The mixer's forward: attention reads and writes a KV cache, Mamba its state; the MoE may replay given routing
+    choices. Blocks take another function of this signature as `mixer_fn` (decoders pass their fast paths,
+    `hybridtron.infer.fastpath`)."""
     if layer_cache is not None and kind == ATTENTION:
         return mixer(normed_BTD, layer_cache, lengths)
     if layer_cache is not None and kind == MAMBA:
@@ -44,16 +49,21 @@ class Block(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
         self.mixer = build_mixer(kind, config)
 
-    def forward(self, hidden_BTD: torch.Tensor, layer_cache=None, lengths=None, expert_ids=None) -> torch.Tensor:
-        return hidden_BTD + run_mixer(self.kind, self.mixer, self.norm(hidden_BTD), layer_cache, lengths, expert_ids)
+    def forward(self, hidden_BTD: torch.Tensor, layer_cache=None, lengths=None, expert_ids=None,
+                mixer_fn=run_mixer) -> torch.Tensor:
+        return hidden_BTD + mixer_fn(self.kind, self.mixer, self.norm(hidden_BTD), layer_cache, lengths, expert_ids)
 
-    def static_step(self, hidden_BD: torch.Tensor, layer_cache=None, lengths_B=None) -> torch.Tensor:
+    def decode_step(self, hidden_BD: torch.Tensor, layer_cache=None, lengths_B=None) -> torch.Tensor:
         """One token per sequence ([B, D]) with static shapes, for a compiled decode step (`HybridLM.decode_step`)."""
-        normed_BD = self.norm(hidden_BD)
-        if self.kind == ATTENTION:
-            return hidden_BD + self.mixer.static_step(normed_BD, layer_cache, lengths_B)
-        if self.kind == MAMBA:
-            return hidden_BD + self.mixer.static_step(normed_BD, layer_cache)
-        if self.kind == MOE:
-            return hidden_BD + self.mixer.static_step(normed_BD)
-        return hidden_BD + self.mixer(normed_BD)
+        return hidden_BD + decode_mixer(self.kind, self.mixer, self.norm(hidden_BD), layer_cache, lengths_B)
+
+
+def decode_mixer(kind: str, mixer: nn.Module, normed_BD: torch.Tensor, layer_cache=None, lengths_B=None):
+    """The mixer's static one-token step (`decode_step`), [B, D] -> [B, D]; the MLP's forward is already one."""
+    if kind == ATTENTION:
+        return mixer.decode_step(normed_BD, layer_cache, lengths_B)
+    if kind == MAMBA:
+        return mixer.decode_step(normed_BD, layer_cache)
+    if kind == MOE:
+        return mixer.decode_step(normed_BD)
+    return mixer(normed_BD)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridtron.config import MOE, ModelConfig
-from hybridtron.model.block import Block
+from hybridtron.model.block import Block, run_mixer
 from hybridtron.model.mamba2 import Mamba2Mixer
 from hybridtron.model.moe import MoE, Router, RoutedExperts
 from hybridtron.model.mtp import MTPBlock
@@ -115,20 +115,22 @@ class HybridLM(nn.Module):
 
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
-                mtp: bool = True, expert_ids: dict[str, torch.Tensor] | None = None) -> LMOutput:
-        """`cache`: decode into a `HybridCache` (no MTP logits, no expert counts). `expert_ids`: routing replay for
-        the backbone's MoE layers, {router name (`routers()`): chosen experts [B, T, k]}; a layer not named routes
-        itself (the MTP block always does)."""
+                mtp: bool = True, expert_ids: dict[str, torch.Tensor] | None = None,
+                mixer_fn=run_mixer) -> LMOutput:
+        """`cache`: continue from a `model.state.LayerStates` (or its serving subclass `infer.cache.HybridCache`)
+        and advance it (no MTP logits, no expert counts). `expert_ids`: routing replay for the backbone's MoE layers,
+        {router name (`routers()`): chosen experts [B, T, k]}; a layer not named routes itself (the MTP block always
+        does). `mixer_fn`: how each block's mixer runs (`block.run_mixer`, the reference; decoders pass their fast
+        paths, `hybridtron.infer.fastpath`)."""
         self._check_ids(input_ids)
         embeddings = self.backbone.embeddings(input_ids)
         hidden = embeddings
-        if cache is None:
-            replay = expert_ids or {}
-            for index, layer in enumerate(self.backbone.layers):
-                hidden = layer(hidden, expert_ids=replay.get(str(index)))
-        else:
-            for layer, layer_cache in zip(self.backbone.layers, cache.layers):
-                hidden = layer(hidden, layer_cache, cache.lengths)
+        layer_states = cache.layers if cache is not None else [None] * len(self.backbone.layers)
+        lengths = cache.lengths if cache is not None else None
+        for index, (layer, layer_cache) in enumerate(zip(self.backbone.layers, layer_states)):
+            replay = expert_ids.get(str(index)) if expert_ids else None
+            hidden = layer(hidden, layer_cache, lengths, replay, mixer_fn)
+        if cache is not None:
             cache.lengths += input_ids.shape[1]
         hidden = self.backbone.norm_f(hidden)
         logits = self.lm_head(hidden)
@@ -158,16 +160,16 @@ class HybridLM(nn.Module):
         return out
 
     def decode_step(self, ids_B: torch.Tensor, cache) -> torch.Tensor:
-        """One token per sequence on a `HybridCache` -> next-token logits [B, V]; the cache is advanced in place.
+        """One token per sequence on a `LayerStates` -> next-token logits [B, V]; the states are advanced in place.
 
         The static-shape form of `forward(ids[:, None], cache=cache)`, for compiling (`torch.compile(fullgraph=True,
-        dynamic=False)`, see `hybridtron.infer.generate.Decoder`): every shape follows from the batch and the
+        dynamic=False)`, see `hybridtron.infer.decoder.Decoder`): every shape follows from the batch and the
         cache's size, nothing is read back to Python and no branch depends on a value, so one graph serves every
         step. The ids are not checked (that reads them back); decoders feed the model's own sampled tokens.
         """
         hidden_BD = self.backbone.embeddings(ids_B)
         for layer, layer_cache in zip(self.backbone.layers, cache.layers):
-            hidden_BD = layer.static_step(hidden_BD, layer_cache, cache.lengths)
+            hidden_BD = layer.decode_step(hidden_BD, layer_cache, cache.lengths)
         cache.lengths.add_(1)
         return self.lm_head(self.backbone.norm_f(hidden_BD))
 

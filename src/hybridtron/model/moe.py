@@ -11,7 +11,7 @@ small differences that decide the selection. Routing replay (R3, for RL): a forw
 per token; the weights then come from the current scores at those experts. Each forward leaves its expert choices
 in `last_expert_ids`;
 `last_expert_counts` counts the tokens routed to each expert (the balancing update and MaxVio read it).
-`MoE.static_step` is the form for a compiled decode step: no kept choices, no shape that depends on them.
+`MoE.decode_step` is the form for a compiled decode step: no kept choices, no shape that depends on them.
 """
 
 from __future__ import annotations
@@ -89,11 +89,6 @@ class RoutedExperts(nn.Module):
         self.grouped_mm = grouped_mm
 
     def forward(self, x_SL: torch.Tensor, expert_ids_SK: torch.Tensor, weights_SK: torch.Tensor) -> torch.Tensor:
-        # The pair loop is for inference (its routing weights are plain numbers, without gradient), and only with
-        # the plain product: a swapped-in grouped_mm must see every row.
-        if not torch.is_grad_enabled() and expert_ids_SK.numel() <= self.up_proj.shape[0] \
-                and self.grouped_mm is grouped_mm:
-            return self.forward_pairs(x_SL, expert_ids_SK, weights_SK)
         top_k = expert_ids_SK.shape[1]
         flat_expert = expert_ids_SK.flatten()
         order = torch.argsort(flat_expert, stable=True)
@@ -104,20 +99,7 @@ class RoutedExperts(nn.Module):
         rows = rows * weights_SK.flatten()[order, None].to(rows.dtype)
         return torch.zeros_like(x_SL, dtype=rows.dtype).index_add_(0, token_of_row, rows)
 
-    def forward_pairs(self, x_SL: torch.Tensor, expert_ids_SK: torch.Tensor, weights_SK: torch.Tensor) -> torch.Tensor:
-        """No more (token, expert) pairs than experts, as in decoding: one matrix-vector product per pair, on the
-        chosen expert's weights in place. The grouped GEMM costs about a pair's worth per expert, rows or not
-        (one token of `tiny`: 20 us against 52 us; the two meet at as many pairs as experts)."""
-        up_ELI, down_EIL = self.up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
-        out_SL = torch.zeros_like(x_SL)
-        for token, (ids, weights) in enumerate(zip(expert_ids_SK.tolist(), weights_SK.tolist())):
-            x_1L, out_1L = x_SL[token, None], out_SL[token, None]
-            for expert, weight in zip(ids, weights):
-                out_1L.addmm_(relu2(x_1L @ up_ELI[expert]), down_EIL[expert], alpha=weight)
-        return out_SL
-
-    def forward_gathered(self, x_SL: torch.Tensor, expert_ids_SK: torch.Tensor,
-                         weights_SK: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, x_SL: torch.Tensor, expert_ids_SK: torch.Tensor, weights_SK: torch.Tensor) -> torch.Tensor:
         """The experts of each (token, expert) pair read by index, with static shapes (for a compiled decode
         step): no expert counts, no sorting, nothing read back to Python. Written as broadcast products and sums
         so that the compiler turns each into one reduction that loads the chosen expert's weights in place (an
@@ -173,12 +155,12 @@ class MoE(nn.Module):
             routed = self.fc2_latent_proj(routed)
         return (routed + self.shared_experts(x_SD)).view_as(hidden_BTD)
 
-    def static_step(self, x_SD: torch.Tensor) -> torch.Tensor:
+    def decode_step(self, x_SD: torch.Tensor) -> torch.Tensor:
         """`forward` on [tokens, D] for a compiled decode step: the choices are not kept (`last_expert_ids` is a
-        side effect, and decoding never reads it) and the experts run by index (`RoutedExperts.forward_gathered`)."""
+        side effect a compiled graph does not return) and the experts run by index (`RoutedExperts.decode_step`)."""
         expert_ids, weights = self.gate(x_SD)
         routed_in = self.fc1_latent_proj(x_SD) if self.latent else x_SD
-        routed = self.experts.forward_gathered(routed_in, expert_ids, weights)
+        routed = self.experts.decode_step(routed_in, expert_ids, weights)
         if self.latent:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(x_SD)

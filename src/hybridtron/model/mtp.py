@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hybridtron.config import ModelConfig
-from hybridtron.model.block import build_mixer, run_mixer
+from hybridtron.model.block import build_mixer, decode_mixer, run_mixer
 from hybridtron.model.norm import RMSNorm
 
 
@@ -41,9 +41,25 @@ class MTPBlock(nn.Module):
             MTPLayer(config, kind, first=i == 0, last=i == len(kinds) - 1) for i, kind in enumerate(kinds))
 
     def forward(self, previous_hidden_BTD: torch.Tensor, next_embedding_BTD: torch.Tensor,
-                caches: list | None = None, lengths: torch.Tensor | None = None) -> torch.Tensor:
-        first = self.layers[0]
-        u = first.eh_proj(torch.cat([first.enorm(next_embedding_BTD), first.hnorm(previous_hidden_BTD)], dim=-1))
+                caches: list | None = None, lengths: torch.Tensor | None = None, mixer_fn=run_mixer) -> torch.Tensor:
+        """One depth: h_{k-1} [B, T, H] and embed(x_{t+k}) [B, T, H] -> h_k [B, T, H]. `caches` (one layer state
+        per layer of the block) and `lengths`: continue from them, as the drafter does. `mixer_fn`: how each layer's
+        mixer runs (`block.run_mixer`'s signature; decoders pass their fast paths, MTP boosting its chain attention)."""
+        u = self.combine(previous_hidden_BTD, next_embedding_BTD)
         for i, layer in enumerate(self.layers):
-            u = u + run_mixer(layer.kind, layer.mixer, layer.norm(u), caches[i] if caches else None, lengths)
+            u = u + mixer_fn(layer.kind, layer.mixer, layer.norm(u), caches[i] if caches else None, lengths, None)
         return self.layers[-1].final_layernorm(u)
+
+    def decode_step(self, previous_hidden_BD: torch.Tensor, next_embedding_BD: torch.Tensor, caches: list,
+                    lengths_B: torch.Tensor) -> torch.Tensor:
+        """`forward` of one position per sequence ([B, H]) with static shapes (every mixer's `decode_step`), for a
+        compiled drafting step; the caches are written at `lengths_B`, which the caller advances."""
+        u = self.combine(previous_hidden_BD, next_embedding_BD)
+        for layer, layer_cache in zip(self.layers, caches):
+            u = u + decode_mixer(layer.kind, layer.mixer, layer.norm(u), layer_cache, lengths_B)
+        return self.layers[-1].final_layernorm(u)
+
+    def combine(self, previous_hidden: torch.Tensor, next_embedding: torch.Tensor) -> torch.Tensor:
+        """u = eh_proj([enorm(embed(x_{t+k})) ; hnorm(h_{k-1})])."""
+        first = self.layers[0]
+        return first.eh_proj(torch.cat([first.enorm(next_embedding), first.hnorm(previous_hidden)], dim=-1))

@@ -1,14 +1,10 @@
-"""Low-precision numerics: NVFP4 and MXFP8 formats, the Random Hadamard Transform, emulated quantized GEMMs."""
+"""Low-precision numerics: NVFP4 and MXFP8 formats, the Random Hadamard Transform, emulated quantized GEMMs.
 
-from hybridtron.numerics.linear import (
-    QuantizedGroupedMM,
-    QuantLinear,
-    QuantRecipe,
-    UnderflowStats,
-    emulated_linear,
-    quantized_grouped_mm,
-    set_underflow_tracking,
-)
+The names below load from `linear.py` on first use, so that importing a light submodule (`numerics.policy`'s
+command-line arguments, which `hybridtron precision --help` and `hybridtron plan` read) does not import torch.
+"""
+
+import importlib
 
 __all__ = [
     "QuantLinear",
@@ -19,3 +15,9 @@ __all__ = [
     "quantized_grouped_mm",
     "set_underflow_tracking",
 ]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return getattr(importlib.import_module("hybridtron.numerics.linear"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

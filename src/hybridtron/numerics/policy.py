@@ -28,11 +28,14 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 from dataclasses import dataclass
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from hybridtron.config import ATTENTION, MAMBA, MLP, MOE, PRESETS, KIND_TO_PATTERN_CHAR
-from hybridtron.numerics.linear import QuantLinear, QuantRecipe, quantized_grouped_mm
+
+if TYPE_CHECKING:  # the converters import torch when they run: `precision --help` and `plan` read this module
+    from torch import nn
+
+    from hybridtron.numerics.linear import QuantRecipe
 
 RECIPES = ("bf16", "mxfp8", "nvfp4")
 POLICIES = ("ultra", "all")
@@ -159,6 +162,8 @@ def precision_plan(model: nn.Module, recipe: str = "nvfp4", policy: str = "ultra
 def recipe_for(fmt: str, *, stochastic_rounding: bool = True, rht: bool = True, two_d_weights: bool = True,
                seed: int = 0) -> QuantRecipe:
     """The QuantRecipe of one format; the NVFP4 switches apply to nvfp4 GEMMs only."""
+    from hybridtron.numerics.linear import QuantRecipe
+
     if fmt == "nvfp4":
         return QuantRecipe(format="nvfp4", stochastic_rounding=stochastic_rounding, rht=rht,
                            two_d_weights=two_d_weights, seed=seed)
@@ -175,6 +180,10 @@ def apply_precision(model: nn.Module, recipe: str = "nvfp4", policy: str = "ultr
     Each quantized GEMM draws its stochastic rounding from its own stream (``seed`` + its index in the plan).
     ``stochastic_rounding``/``rht``/``two_d_weights`` switch those NVFP4 ingredients off for ablations.
     """
+    from torch import nn
+
+    from hybridtron.numerics.linear import QuantLinear, quantized_grouped_mm
+
     if recipe != "nvfp4" and not (stochastic_rounding and rht and two_d_weights):
         raise ValueError(f"stochastic_rounding/rht/two_d_weights are nvfp4 switches; recipe is {recipe!r}")
     plan = precision_plan(model, recipe, policy, tail_fraction=tail_fraction)
@@ -273,10 +282,13 @@ def describe_precision(model: nn.Module, plan: list[GemmAssignment], recipe: str
 
 # --------------------------------------------------------------------------------------------- command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="ultra3", choices=sorted(PRESETS), help="model preset (default ultra3)")
-    parser.add_argument("--recipe", default="nvfp4", choices=RECIPES, help="low-precision format (default nvfp4)")
+    parser.add_argument("--preset", default="ultra3", choices=sorted(PRESETS),
+                        help="model preset (default: ultra3); built on the meta device, nothing is allocated")
+    parser.add_argument("--recipe", default="nvfp4", choices=RECIPES,
+                        help="format of the low-precision GEMMs (default: nvfp4)")
     parser.add_argument("--policy", default="ultra", choices=POLICIES,
-                        help="ultra: Nemotron 3 Ultra's mixed policy (default); all: every linear in the recipe")
+                        help="ultra: Nemotron 3 Ultra's mixed policy; all: every linear in the recipe's format "
+                             "(default: ultra)")
 
 
 def run(args) -> int:

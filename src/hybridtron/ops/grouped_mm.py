@@ -5,6 +5,11 @@
 Elsewhere `grouped_mm_padded` lays each expert's rows into a zero-padded [E, capacity, K] block and runs one batched
 matmul (the cost of the padding is the load imbalance). Neither has a Python loop over experts.
 `grouped_mm_ref` is the loop that defines the result.
+
+The native GEMM runs as the custom ops `hybridtron::grouped_mm` and `hybridtron::grouped_mm_backward`, with fake
+(shape-only) implementations: torch.compile traces them as opaque calls. (Called directly, the native op's own
+fake implementation accepts only bf16, so a compiled fp32 MoE block would fail to trace.) The backward is the same
+two grouped GEMMs the native autograd formula runs: dX = dY W_e per group, dW_e = dY_e^T X_e over each group's rows.
 """
 
 from __future__ import annotations
@@ -39,11 +44,46 @@ def grouped_mm(x_SK: torch.Tensor, w_EOK: torch.Tensor, group_sizes: torch.Tenso
     """y[rows of expert e] = x[rows of expert e] @ w[e].T, for rows sorted by expert."""
     if not native_applies(x_SK, w_EOK):
         return grouped_mm_padded(x_SK, w_EOK, group_sizes)
-    offsets = torch.cumsum(group_sizes, 0, dtype=torch.int32)
-    y_SO = F.grouped_mm(x_SK, w_EOK.transpose(1, 2), offs=offsets)
-    if y_SO.requires_grad:
-        y_SO.register_hook(torch.Tensor.contiguous)  # its backward rejects stride-0 (expanded) gradients
-    return y_SO
+    return native_grouped_mm(x_SK, w_EOK, torch.cumsum(group_sizes, 0, dtype=torch.int32))
+
+
+@torch.library.custom_op("hybridtron::grouped_mm", mutates_args=())
+def native_grouped_mm(x_SK: torch.Tensor, w_EOK: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The native grouped GEMM; `offsets` [E] int32: the end row of each expert's group."""
+    return F.grouped_mm(x_SK, w_EOK.transpose(1, 2), offs=offsets)
+
+
+@native_grouped_mm.register_fake
+def _(x_SK, w_EOK, offsets):
+    return x_SK.new_empty(x_SK.shape[0], w_EOK.shape[1])
+
+
+@torch.library.custom_op("hybridtron::grouped_mm_backward", mutates_args=())
+def native_grouped_mm_backward(dy_SO: torch.Tensor, x_SK: torch.Tensor, w_EOK: torch.Tensor,
+                               offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    dy_SO = dy_SO.contiguous()  # the native op rejects stride-0 (expanded) gradients
+    dx_SK = F.grouped_mm(dy_SO, w_EOK if w_EOK.is_contiguous() else w_EOK.contiguous(), offs=offsets)
+    dw_EKO = F.grouped_mm(x_SK.t(), dy_SO, offs=offsets)
+    return dx_SK, dw_EKO.transpose(1, 2).contiguous()
+
+
+@native_grouped_mm_backward.register_fake
+def _(dy_SO, x_SK, w_EOK, offsets):
+    return x_SK.new_empty(x_SK.shape), w_EOK.new_empty(w_EOK.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x_SK, w_EOK, offsets = inputs
+    ctx.save_for_backward(x_SK, w_EOK, offsets)
+
+
+def _backward(ctx, dy_SO):
+    x_SK, w_EOK, offsets = ctx.saved_tensors
+    dx_SK, dw_EOK = native_grouped_mm_backward(dy_SO, x_SK, w_EOK, offsets)
+    return dx_SK, dw_EOK, None
+
+
+native_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
 
 
 def grouped_mm_padded(x_SK: torch.Tensor, w_EOK: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Policy-gradient losses of RLVR (GRPO) and multi-teacher on-policy distillation (MOPD), as small pure functions.
 
-The recipe (SPEC-algorithms.md, "GRPO", "GRPO details that the anchors disagree on", "MOPD"):
+The recipe (the Ultra report's RLVR and MOPD stages, with the choices where miles, verl and NeMo-RL disagree):
 
 - GRPO: per-prompt group z-score advantages (zero-variance groups give 0); PPO ratio clipped to [1 - 0.2, 1 + 0.28]
   (DAPO clip-higher), optional dual clip for A < 0; optional k3 KL to a frozen reference and entropy bonus (both
@@ -390,7 +390,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
 def mopd_loss(logp: Tensor, prox_logp: Tensor, teacher_logp: Tensor, mask: Tensor,
               global_count: int | float | Tensor, config: MOPDLossConfig = MOPDLossConfig(), *,
               behav_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The MOPD objective of one micro-batch (SPEC-algorithms, "MOPD", asynchronous form): (loss, metrics).
+    """The MOPD objective of one micro-batch (its asynchronous form, see the module docstring): (loss, metrics).
 
     A_t = sg[log pi_T(y_t) - log pi_prox(y_t)], r_t = pi_theta / pi_prox, c_t = sg[pi_prox / pi_behav] truncated
     (TIS) or masked (IcePop), loss = -agg(c_t min(r_t A_t, clip(r_t) A_t)) = agg(c_t max(-r_t A_t, -clip(r_t) A_t)).

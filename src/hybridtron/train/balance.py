@@ -42,8 +42,10 @@ def max_violation(counts_RE: torch.Tensor) -> torch.Tensor:
 class ExpertBalance:
     """The balancing state of a run: the global expert counts of the last `window` steps (for MaxVio)."""
 
-    def __init__(self, router_names: list[str], rate: float, window: int):
-        self.names, self.rate = list(router_names), rate
+    def __init__(self, router_names: list[str], rate: float, window: int, group=None):
+        """`group`: the ranks whose counts make up the global batch for these routers (distributed: every rank of
+        the pipeline stage that holds the routers; None = the whole world when torch.distributed is initialized)."""
+        self.names, self.rate, self.group = list(router_names), rate, group
         self.window: collections.deque[torch.Tensor] = collections.deque(maxlen=window)
         self.step_counts: torch.Tensor | None = None
 
@@ -54,7 +56,7 @@ class ExpertBalance:
             return {}
         counts_RE = torch.stack([counts[name] for name in self.names])
         if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(counts_RE)
+            dist.all_reduce(counts_RE, group=self.group)
         self.step_counts = counts_RE
         self.window.append(counts_RE)
         values = max_violation(torch.stack(list(self.window)).sum(0)).tolist()
@@ -66,8 +68,11 @@ class ExpertBalance:
             update_router_biases(biases, self.step_counts, self.rate)
 
     def state_dict(self) -> dict:
-        return {"window": list(self.window)}
+        return {"window": list(self.window), "names": list(self.names)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Also from a state of other routers (a pipeline stage's from the whole model's): the rows of ours."""
+        rows = [state["names"].index(name) for name in self.names] if "names" in state else None
         self.window.clear()
-        self.window.extend(state["window"])
+        self.window.extend(counts if rows is None or rows == list(range(len(counts))) else counts[rows]
+                           for counts in state["window"])

@@ -1,5 +1,6 @@
-"""Run configuration: `[model]`, `[data]`, `[train]` and `[monitor]` sections, from a preset, a TOML file and `--set`
-overrides (`[monitor]`: the stability monitor's thresholds and responses, hybridtron.train.monitor.MonitorConfig).
+"""Run configuration: `[model]`, `[data]`, `[train]`, `[monitor]` and `[dist]` sections, from a preset, a TOML file and
+`--set` overrides (`[monitor]`: the stability monitor's thresholds and responses, hybridtron.train.monitor.MonitorConfig;
+`[dist]`: the parallel layout under torchrun, hybridtron.dist.config.DistConfig).
 
 Every section is a frozen dataclass; an override `train.lr=3e-4` is parsed by the type of the field it names, and an
 unknown section or field is an error that lists what exists.
@@ -8,8 +9,13 @@ unknown section or field is an error that lists what exists.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import io
 import json
 import math
+import textwrap
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +24,7 @@ from typing import Any
 
 from hybridtron.config import ModelConfig, preset
 from hybridtron.data import DataConfig
+from hybridtron.dist.config import DistConfig
 from hybridtron.train.monitor.config import MonitorConfig
 
 try:
@@ -34,10 +41,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
     warmup_steps: int = 40  # linear warmup
     decay_fraction: float = 0.3  # warmup-stable-decay: the last share of steps decays linearly
-    weight_decay: float = 0.1  # AdamW, on matrices only (not norms, biases, embeddings' rows? yes: all 2D+)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW's, on every weight of 2 or more dimensions (not on norms and biases)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
     grad_clip: float = 1.0  # max global gradient L2 norm (0 = off)
     precision: str = "fp32"  # fp32 | bf16 (autocast) | nvfp4 | mxfp8 (emulated, by the precision policy)
     precision_policy: str = "ultra"  # nvfp4/mxfp8: "ultra" (Nemotron 3 Ultra's mixed policy) or "all" (ablation)
@@ -49,11 +56,13 @@ class TrainConfig:
     router_bias_rate: float = 1e-3  # aux-loss-free balancing: b_i += u * sign(mean load - load_i) every step
     maxvio_window: int = 20  # steps over which MaxVio counts expert loads
     val_every: int = 50  # held-out validation loss every N steps (and at step 0 and the end)
-    log_every: int = 1
-    checkpoint_every: int = 100
+    log_every: int = 1  # a metrics.jsonl line every N steps (and on every step with an event or an evaluation)
+    checkpoint_every: int = 100  # a DCP checkpoint every N steps (written in the background)
     keep_checkpoints: int = 3  # keep the last K checkpoints
-    seed: int = 0
+    seed: int = 0  # model initialization and the stochastic-rounding streams (the data order: data.seed)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    compile: bool = False  # torch.compile every block in place and the loss; fused AdamW (in one process)
+    recompute: str = "none"  # activation checkpointing per block: none | selective | full
 
     def validate(self) -> None:
         for name in ("steps", "grad_accum", "val_every", "log_every",
@@ -73,6 +82,8 @@ class TrainConfig:
             raise ValueError(f"train.nvfp4_* switches apply to train.precision=nvfp4, not {self.precision!r}")
         if self.grad_accum_dtype not in ("fp32", "bf16"):
             raise ValueError(f"train.grad_accum_dtype must be fp32 or bf16, got {self.grad_accum_dtype!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"train.recompute must be none, selective or full, got {self.recompute!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,22 +92,21 @@ class RunConfig:
     data: DataConfig = field(default_factory=lambda: DataConfig(seq_len=256, batch_size=8))  # batch shape here
     train: TrainConfig = field(default_factory=TrainConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    dist: DistConfig = field(default_factory=DistConfig)  # the parallel layout under torchrun
 
     def to_dict(self) -> dict:
         return {"model": self.model.to_hf(), "data": _plain(self.data), "train": _plain(self.train),
-                "monitor": _plain(self.monitor)}
+                "monitor": _plain(self.monitor), "dist": _plain(self.dist)}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     def to_toml(self) -> str:
-        """The configuration as a TOML file that `--config` reads back to the same RunConfig."""
-        parts = []
-        for section in ("model", "data", "train", "monitor"):
-            parts.append(f"[{section}]")
-            obj = getattr(self, section)
-            parts += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
-            parts.append("")
+        """The configuration as a TOML file that `--config` reads back to the same RunConfig, every field with
+        the comment its dataclass gives it."""
+        parts = [TOML_HEADER]
+        for section in ("model", "data", "train", "monitor", "dist"):
+            parts += section_toml(section, getattr(self, section)) + [""]
         return "\n".join(parts)
 
     @classmethod
@@ -110,7 +120,68 @@ class RunConfig:
             raise ValueError(f"{path}: not a run config (no {', '.join(missing)} section)")
         return cls(model=ModelConfig.from_hf(raw["model"]), data=_build(DataConfig, raw["data"], "data"),
                    train=_build(TrainConfig, raw["train"], "train"),
-                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"))
+                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"),
+                   dist=_build(DistConfig, raw.get("dist", {}), "dist"))
+
+
+TOML_HEADER = """\
+# A hybridtron run configuration (`hybridtron pretrain --print-config` writes it; `--config FILE` reads it).
+# Every field may be left out: [model] then keeps the --preset's value, the other sections their defaults.
+# "none" stands for an unset optional field (TOML has no null).
+"""
+
+
+def section_toml(name: str, obj) -> list[str]:
+    """The lines of one `[name]` section: each field of the dataclass `obj` as `field = value  # its comment`,
+    under the group comments of its source."""
+    comments = field_comments(type(obj))
+    lines = [f"[{name}]"]
+    for f in dataclasses.fields(obj):
+        headers, comment = comments.get(f.name, ((), ""))
+        lines += [f"# {header}" for header in headers]
+        line = f"{f.name} = {_toml_value(getattr(obj, f.name))}"
+        lines.append(f"{line}  # {comment}" if comment else line)
+    return lines
+
+
+@functools.cache
+def field_comments(cls) -> dict[str, tuple[tuple[str, ...], str]]:
+    """Per field of a dataclass, read from its source: (the group comments on their own lines just above it, its
+    trailing comment, continued by the own-line comments below it that start with `#` and two or more spaces).
+    Empty where the source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    found: dict[str, tuple[tuple[str, ...], str]] = {}
+    headers: list[str] = []
+    current = None  # the field a comment belongs to
+    first_on_line = True
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        kind, text, (_, column) = token.type, token.string, token.start
+        if kind in (tokenize.NL, tokenize.NEWLINE):
+            first_on_line = True
+            continue
+        if kind in (tokenize.INDENT, tokenize.DEDENT):
+            continue
+        if kind == tokenize.COMMENT:
+            comment = text[1:]
+            if not first_on_line and current is not None:  # the field's own trailing comment
+                found[current] = (found[current][0], comment.strip())
+            elif current is not None and comment.startswith("  "):  # its continuation
+                found[current] = (found[current][0], f"{found[current][1]} {comment.strip()}".strip())
+            else:  # a group comment over the fields below
+                headers.append(comment.strip())
+                current = None
+            continue
+        if first_on_line and column == 4:  # a statement of the class body: a field, a method, the docstring
+            current = text if kind == tokenize.NAME and text in fields else None
+            if current is not None:
+                found[current] = (tuple(headers), "")
+            headers = []
+        first_on_line = False
+    return found
 
 
 def _toml_value(value) -> str:
@@ -192,9 +263,9 @@ def parse_override(text: str) -> tuple[str, str, str]:
 def build_run_config(base_preset: str = "tiny", toml_path: str | None = None, overrides: list[str] = (),
                      base: RunConfig | None = None) -> RunConfig:
     """preset (or a saved run's config) <- config file <- --set overrides, in that order. The config file is TOML
-    (`[model]`, `[data]`, `[train]`, `[monitor]`; what `pretrain --print-config` prints) or a run's run_config.json
+    (`[model]`, `[data]`, `[train]`, `[monitor]`, `[dist]`; what `pretrain --print-config` prints) or a run's run_config.json
     (which then replaces the preset)."""
-    sections: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "train": {}, "monitor": {}}
+    sections: dict[str, dict[str, Any]] = {"model": {}, "data": {}, "train": {}, "monitor": {}, "dist": {}}
     if toml_path is not None and Path(toml_path).suffix == ".json":  # a run's own run_config.json
         if not Path(toml_path).is_file():
             raise FileNotFoundError(f"{toml_path}: config file not found")
@@ -209,12 +280,14 @@ def build_run_config(base_preset: str = "tiny", toml_path: str | None = None, ov
             raise ValueError(f"{path}: invalid TOML ({exc})") from None
         for section, values in raw.items():
             if section not in sections or not isinstance(values, dict):
-                raise ValueError(f"{path}: unknown section [{section}]; expected [model], [data], [train], [monitor]")
+                raise ValueError(f"{path}: unknown section [{section}]; expected [model], [data], [train], [monitor], "
+                                 f"[dist]")
             sections[section].update(values)
     for text in overrides:
         section, name, value = parse_override(text)
         if section not in sections:
-            raise ValueError(f"--set {text!r}: unknown section {section!r}; expected model, data, train or monitor")
+            raise ValueError(f"--set {text!r}: unknown section {section!r}; expected model, data, train, monitor or "
+                             f"dist")
         sections[section][name] = value
 
     run = base or RunConfig(model=preset(base_preset))
@@ -228,4 +301,6 @@ def build_run_config(base_preset: str = "tiny", toml_path: str | None = None, ov
     train.validate()
     monitor = _build(MonitorConfig, {**_plain(run.monitor), **sections["monitor"]}, "monitor")
     monitor.validate()
-    return RunConfig(model=run.model.replace(**model_changes), data=data, train=train, monitor=monitor)
+    dist = _build(DistConfig, {**_plain(run.dist), **sections["dist"]}, "dist")
+    dist.validate()
+    return RunConfig(model=run.model.replace(**model_changes), data=data, train=train, monitor=monitor, dist=dist)

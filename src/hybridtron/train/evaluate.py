@@ -40,9 +40,12 @@ class ValidationLoss(Evaluator):
         was_training = model.training
         model.eval()
         total = 0.0
+        parallel = getattr(trainer, "parallel", None)
+        pipeline = parallel.pipeline if parallel is not None else None  # pp > 1: stage by stage
         for input_ids, labels in self.batches:
             with trainer.autocast():
-                total += float(model(input_ids, labels, mtp=False).lm_loss)
+                total += pipeline.lm_loss(input_ids, labels) if pipeline is not None else \
+                    float(model(input_ids, labels, mtp=False).lm_loss)
         model.train(was_training)
         value = total / len(self.batches)
         self.history.append((trainer.step, value))

@@ -16,9 +16,11 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from hybridtron.train.monitor.recovery import ROLLED_BACK_FILE, Decision
-from hybridtron.train.stats import StepStats
+if TYPE_CHECKING:  # a hook module stays light: `hybridtron branch --help` imports it to subclass Hook
+    from hybridtron.train.monitor.recovery import Decision
+    from hybridtron.train.stats import StepStats
 
 
 class Hook:
@@ -91,6 +93,8 @@ class MetricsLogger(Hook):
     def on_rollback(self, trainer, bad_step, target_step, rollback):
         """Move the lines of the abandoned steps (past `target_step`) to metrics.rolled_back.jsonl, side file first:
         a crash in between duplicates lines there rather than losing them."""
+        from hybridtron.train.monitor.recovery import ROLLED_BACK_FILE
+
         if not self.path.exists():
             return
         kept, moved = [], []
@@ -129,7 +133,8 @@ class ProgressBar(Hook):
     validation loss is), the validation value, tokens/s and the ETA. On a terminal: one line redrawn in place; into
     a file or a pipe: a plain line every `log_every` steps and at the end, so logs stay readable."""
 
-    def __init__(self, stream=sys.stderr, width: int = 28, log_every: int = 10):
+    def __init__(self, stream=None, width: int = 28, log_every: int = 10):
+        stream = sys.stderr if stream is None else stream  # the stderr of the moment, which may be redirected
         self.stream, self.width, self.log_every = stream, width, log_every
         self.interactive = hasattr(stream, "isatty") and stream.isatty()
         self.started = None

@@ -12,6 +12,12 @@ One optimizer step, as `Trainer.train` reads:
 7. a rollback is carried out here (`roll_back`), otherwise a checkpoint is written when due.
 
 Everything that decides what a step does is in this file; hooks only observe (hybridtron.train.hooks).
+
+Distributed (`parallel`, a `hybridtron.dist.mesh.Parallel`; the model parallelized by `hybridtron.dist.parallelize`,
+the batch source giving this rank's rows): every rank runs this same loop. The objective's metrics and token
+counts are summed over the data-parallel ranks, gradient norms are taken over the sharded gradients, expert
+counts are reduced over the ranks of each pipeline stage, and global rank 0's monitor decision is the one every
+rank carries out, so all ranks take the same step.
 """
 
 from __future__ import annotations
@@ -20,32 +26,37 @@ import contextlib
 import copy
 import dataclasses
 import random
-import shutil
 import time
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from hybridtron.checkpoint.dcp import CheckpointManager, step_of
+from hybridtron.checkpoint.dcp import CheckpointManager
+from hybridtron.dist.expert_parallel import dropped_shares
+from hybridtron.dist.state import checkpoint_state
+from hybridtron.dist.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics
 from hybridtron.numerics.grad_accum import flush_main_grads, set_output_accumulation
 from hybridtron.numerics.linear import load_sr_generator_states, sr_generator_states
 from hybridtron.train.balance import ExpertBalance
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.monitor import ANNEAL, Decision, NoMonitor
 from hybridtron.train.schedule import WSDSchedule
-from hybridtron.train.stats import StepStats, group_norms
+from hybridtron.train.stats import StepStats, group_norms, parameter_group
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (norm weights, biases and Mamba's per-head A, D, dt_bias are exempt)."""
+    """AdamW; weight decay on matrices only (norm weights, biases and Mamba's per-head A, D, dt_bias are exempt).
+    With `train.compile` in one process, torch's fused AdamW kernel (one pass over each tensor, not one per
+    elementwise op); otherwise foreach (the bit-for-bit reference, and what sharded DTensors take)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = config.compile and not (torch.distributed.is_available() and torch.distributed.is_initialized())
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                             foreach=True)
+                             foreach=not fused, fused=fused)
 
 
 class Trainer:
@@ -53,15 +64,17 @@ class Trainer:
     so without rollbacks). `monitor` and `faults`: from `hybridtron.train.monitor.build_monitor`."""
 
     def __init__(self, model, objective, batches, config: TrainConfig, checkpoints: CheckpointManager | None, *,
-                 hooks=(), evaluators=(), monitor=None, faults=None):
+                 hooks=(), evaluators=(), monitor=None, faults=None, parallel=None):
         self.model, self.objective, self.batches, self.config = model, objective, batches, config
+        self.parallel = parallel
         self.checkpoints = checkpoints
         self.hooks, self.evaluators = list(hooks), list(evaluators)
         self.monitor = monitor or NoMonitor()
         self.faults = faults
         self.optimizer = build_optimizer(model, config)
         self.schedule = self.new_schedule()
-        self.balance = ExpertBalance(list(model.routers()), config.router_bias_rate, config.maxvio_window)
+        self.balance = ExpertBalance(list(model.routers()), config.router_bias_rate, config.maxvio_window,
+                                     group=parallel.group("tokens") if parallel is not None else None)
         self.step = 0
         # what rollbacks changed: kept when a rollback restores an older checkpoint, restored on resume
         self.adjustments = {"lr_scale": 1.0, "grad_accum_dtype": None}
@@ -87,7 +100,11 @@ class Trainer:
             stats = self.forward_backward()  # every micro-batch of the step: losses, tokens, expert counts
             self.clip_gradients(stats)  # norms before clipping, global and per parameter group
             stats.signals.update(self.balance.measure(stats.expert_counts))  # MaxVio of every router
+            if self.parallel is not None:  # each pipeline stage measured its own routers
+                stats.signals = self.parallel.merge_over_stages(stats.signals)
             decision = self.monitor.judge(self, stats)  # apply / skip / rollback / anneal
+            if self.parallel is not None:  # local signals may differ across ranks: rank 0 decides for all
+                decision = self.parallel.broadcast_object(decision)
             if decision.applies:
                 self.apply_update(stats)  # AdamW, then every router's bias toward balance
             self.optimizer.zero_grad(set_to_none=True)
@@ -113,7 +130,34 @@ class Trainer:
             self.faults.begin_step(step)
         micro_batches = self.batches.next_step()
         self.objective.begin_step(micro_batches)
+        metrics, tokens, counts = self.run_micro_batches(micro_batches)
+        flush_main_grads(self.model)  # an output layer accumulating in grad_accum_dtype hands its gradient over
+        if self.parallel is None:
+            losses = dict(zip(metrics[0], torch.stack([torch.stack([m[key] for m in metrics]).mean()
+                                                       for key in metrics[0]]).tolist()))
+        else:  # this rank's shares -> the global batch's values, on every rank
+            losses, tokens = step_metrics(self.parallel, metrics, tokens)
+        stats = StepStats(step=step, lr=self.schedule.lr(self.step), losses=losses, tokens=tokens,
+                          expert_counts=counts, seconds=started)
+        if self.parallel is not None:  # capacity-limited expert parallelism: the share of rows it dropped
+            stats.signals.update(self.parallel.merge_over_stages(dropped_shares(self.model,
+                                                                                self.parallel.group("tokens"))))
+        return stats
+
+    def run_micro_batches(self, micro_batches) -> tuple[list[dict], int, dict[str, torch.Tensor]]:
+        """Forward and backward of each micro-batch: (their metrics, tokens, expert counts per router). Under PP the
+        pipeline schedule runs them all and the objective's loss runs on the last stage."""
         metrics, tokens, counts = [], 0, {}
+        pipeline = self.parallel.pipeline if self.parallel is not None else None
+        if pipeline is not None:
+            def last_stage_loss(outputs, labels):
+                out = self.objective.loss_from_outputs(self.model, outputs, labels)
+                metrics.append(out.metrics)
+                return out.loss
+
+            with self.autocast():
+                counts = pipeline.step(micro_batches, last_stage_loss)
+            return metrics, sum(ids.numel() for ids, _ in micro_batches), counts
         for micro_batch in micro_batches:
             with self.autocast():
                 out = self.objective(self.model, micro_batch)
@@ -122,16 +166,20 @@ class Trainer:
             tokens += out.tokens
             for name, routed in out.expert_counts.items():
                 counts[name] = routed if name not in counts else counts[name] + routed
-        flush_main_grads(self.model)  # an output layer accumulating in grad_accum_dtype hands its gradient over
-        losses = {key: float(torch.stack([m[key] for m in metrics]).mean()) for key in metrics[0]}
-        return StepStats(step=step, lr=self.schedule.lr(self.step), losses=losses, tokens=tokens,
-                         expert_counts=counts, seconds=started)
+        return metrics, tokens, counts
 
     def clip_gradients(self, stats: StepStats) -> None:
         """Record the global and per-group gradient norms, then clip to `grad_clip` by the global norm. A non-finite
         norm leaves the gradients untouched: scaling by NaN would smear one layer's NaN over every layer and hide
         where it began (the monitor names the groups whose gradients are not finite)."""
         named = [(name, p) for name, p in self.model.named_parameters() if p.grad is not None]
+        if self.parallel is not None:  # sharded gradients: norms from every rank's shards, one all-reduce
+            norm, stats.group_grad_norms = global_grad_norms([(n, p.grad) for n, p in named], self.parallel,
+                                                             parameter_group)
+            if self.config.grad_clip and torch.isfinite(norm):
+                clip_grads_([p.grad for _, p in named], self.config.grad_clip, norm)
+            stats.grad_norm = float(norm)
+            return
         norm = torch.nn.utils.get_total_norm([p.grad for _, p in named])
         stats.group_grad_norms = group_norms([(name, p.grad) for name, p in named])
         if self.config.grad_clip and torch.isfinite(norm):
@@ -196,9 +244,7 @@ class Trainer:
         position = copy.deepcopy(self.batches.state_dict())  # just past the batches that caused the trouble
         self.load_checkpoint(decision.target, rollback=True)
         self.batches.load_state_dict(position)
-        discarded = [path.name for path in self.checkpoints.list() if step_of(path) > self.step]
-        for name in discarded:
-            shutil.rmtree(self.checkpoints.directory / name)
+        discarded = self.checkpoints.remove_after(self.step)
         changes = []
         if decision.lr_scale != 1.0:
             self.adjustments["lr_scale"] *= decision.lr_scale
@@ -227,16 +273,34 @@ class Trainer:
         dtype = self.adjustments["grad_accum_dtype"]
         if dtype is not None and dtype != self.config.grad_accum_dtype:
             self.config = dataclasses.replace(self.config, grad_accum_dtype=dtype)
-            set_output_accumulation(self.model, dtype)
+            if self.parallel is not None:  # FSDP: the output layer's dtype is that of its gradient reduction
+                from hybridtron.dist.parallelize import set_output_reduce_dtype
+
+                set_output_reduce_dtype(self.model, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+            else:
+                set_output_accumulation(self.model, dtype)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def tensor_state(self) -> dict:
         """Model and optimizer state keyed by parameter name (DCP's form; it also gives a fresh optimizer the
-        state tensors a load fills in)."""
+        state tensors a load fills in). Distributed: sharded, in the single-process layout (hybridtron.dist.state),
+        so any world size and layout can load it."""
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optimizer_state}
 
+    def checkpoint_state(self, tensors: dict) -> dict:
+        return checkpoint_state(tensors, self.model, self.parallel)
+
     def trainer_state(self) -> dict:
+        """Everything but the tensors, as global rank 0 holds it (and so the same at any world size); under PP the
+        per-stage parts (router loads, stochastic-rounding streams) gathered from every stage."""
+        state = self._trainer_state()
+        if self.parallel is not None and self.parallel.layout.pp > 1:
+            state["balance"] = merge_balance_states(self.parallel, state["balance"])
+            state["rng"]["stochastic_rounding"] = self.parallel.merge_over_stages(state["rng"]["stochastic_rounding"])
+        return state
+
+    def _trainer_state(self) -> dict:
         return {
             "step": self.step,
             "schedule": self.schedule.state_dict(),
@@ -252,7 +316,8 @@ class Trainer:
         }
 
     def save_checkpoint(self, blocking: bool = False):
-        return self.checkpoints.save(self.step, self.tensor_state(), self.trainer_state(), blocking=blocking)
+        return self.checkpoints.save(self.step, self.checkpoint_state(self.tensor_state()), self.trainer_state(),
+                                     blocking=blocking)
 
     def load_checkpoint(self, path, *, rollback: bool = False) -> None:
         """Restore everything a checkpoint holds. `rollback`: keep what the run has been through (the monitor's
@@ -260,7 +325,7 @@ class Trainer:
         if self.checkpoints is not None:
             self.checkpoints.wait()
         tensors = self.tensor_state()
-        state = CheckpointManager.load(path, tensors)
+        state = CheckpointManager.load(path, self.checkpoint_state(tensors))  # loads in place into `tensors`
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optimizer"])
         self.step = state["step"]

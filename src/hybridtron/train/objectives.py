@@ -5,6 +5,11 @@ backward of every micro-batch of a step, so each objective scales its loss so th
 pretraining divides each micro-batch's mean CE by the number of micro-batches; a token-mean objective (SFT, GRPO,
 MOPD) divides its token sum by the step's total count of valid tokens, which `begin_step` sees before any forward.
 
+Under data parallelism each rank sees its own rows of every micro-batch, and the trainer sums the gradients and the
+metrics over the data-parallel ranks: an objective returns this rank's share of both, normalized by counts over
+the whole global batch (the `data_sum` it is given all-reduces them in `begin_step`), so the sum over the ranks is
+what one process computes on the whole batch, whatever the world size.
+
 A batch source hands the trainer one step's micro-batches at a time and has a `state_dict` (its position), so that
 a resumed run reads exactly the batches it would have read, and a rollback can skip a window of them.
 
@@ -18,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from hybridtron.model.lm import cross_entropy, mtp_targets
+from hybridtron.ops.cross_entropy import IGNORE_INDEX
 
 
 @dataclass
@@ -55,23 +63,77 @@ def router_counts(model, out) -> dict[str, torch.Tensor]:
     return dict(zip(model.routers(), rows))
 
 
+def target_counts(labels_BT: torch.Tensor, depths: int) -> torch.Tensor:
+    """[1 + depths]: the valid next-token targets of a micro-batch, then those of each MTP depth."""
+    valid = [labels_BT != IGNORE_INDEX] + [mtp_targets(labels_BT, d) != IGNORE_INDEX for d in range(1, depths + 1)]
+    return torch.stack([v.sum() for v in valid])
+
+
 class PretrainObjective:
-    """Next-token CE plus the MTP depths' CE (`HybridLM.forward`'s loss), each micro-batch weighted equally."""
+    """Next-token CE plus the MTP depths' CE (`HybridLM.forward`'s loss), each micro-batch weighted equally.
+
+    `data_sum` (data parallelism: sums a tensor over the data-parallel ranks in place) and `mtp_depths` (the
+    model's): each rank's CE means are weighted by its share of the micro-batch's valid targets, depth by depth, so
+    the shares sum to the single-process means of the whole micro-batch. `compile_loss` (`train.compile`): the
+    cross entropies run compiled, outside the model's forward (fused over the [tokens, vocab] logits)."""
 
     headline = ("lm_loss", "ce")
 
-    def __init__(self):
+    def __init__(self, data_sum=None, mtp_depths: int = 0, compile_loss: bool = False):
         self.micro_batches = 1
+        self.data_sum, self.mtp_depths = data_sum, mtp_depths
+        self.global_counts: list[torch.Tensor] = []
+        self.compile_loss = compile_loss
+        self.cross_entropy = torch.compile(cross_entropy) if compile_loss else cross_entropy
 
     def begin_step(self, micro_batches):
         self.micro_batches = len(micro_batches)
+        if self.data_sum is not None:  # one all-reduce per step: every micro-batch's valid targets, per depth
+            counts = torch.stack([target_counts(labels, self.mtp_depths) for _, labels in micro_batches])
+            self.global_counts = list(self.data_sum(counts.double()).unbind(0))
 
     def __call__(self, model, micro_batch):
         input_ids, labels = micro_batch
+        if self.compile_loss:
+            out = model(input_ids)
+            loss = self.loss_from_outputs(model, (out.logits, *out.mtp_logits), labels)
+            return ObjectiveOutput(loss.loss, loss.metrics, input_ids.numel(), router_counts(model, out))
         out = model(input_ids, labels)
-        metrics = {"loss": out.loss.detach(), "lm_loss": out.lm_loss.detach(),
-                   **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(out.mtp_losses, start=1)}}
-        return ObjectiveOutput(out.loss / self.micro_batches, metrics, input_ids.numel(), router_counts(model, out))
+        if self.data_sum is None:
+            loss = out.loss
+            metrics = {"loss": out.loss.detach(), "lm_loss": out.lm_loss.detach(),
+                       **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(out.mtp_losses, start=1)}}
+        else:
+            loss, metrics = self._share(model, out.lm_loss, out.mtp_losses, labels)
+        return ObjectiveOutput(loss / self.micro_batches, metrics, input_ids.numel(), router_counts(model, out))
+
+    def loss_from_outputs(self, model, outputs, labels):
+        """One micro-batch's loss from the logits a pipeline's last stage computed, `outputs` = (logits, *each
+        MTP depth's logits): the loss `HybridLM.forward` computes, shared out as `__call__` does. The expert
+        counts are the pipeline's to collect."""
+        logits, *mtp_logits = outputs
+        lm_loss = self.cross_entropy(logits, labels)
+        mtp_losses = [self.cross_entropy(depth_logits, mtp_targets(labels, depth))
+                      for depth, depth_logits in enumerate(mtp_logits, start=1)]
+        if self.data_sum is None:
+            loss = lm_loss + model.config.mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
+            metrics = {"loss": loss.detach(), "lm_loss": lm_loss.detach(),
+                       **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(mtp_losses, start=1)}}
+        else:
+            loss, metrics = self._share(model, lm_loss, mtp_losses, labels)
+        return ObjectiveOutput(loss / self.micro_batches, metrics, labels.numel())
+
+    def _share(self, model, lm_loss, mtp_losses, labels):
+        """This rank's share of the micro-batch's loss and metrics: each mean times local / global valid targets."""
+        local = target_counts(labels, len(mtp_losses)).double()
+        total = self.global_counts.pop(0).to(local.device)
+        weights = (local / total).to(lm_loss.dtype)
+        lm = lm_loss * weights[0]
+        mtp = [loss * weights[d] for d, loss in enumerate(mtp_losses, start=1)]
+        loss = lm + model.config.mtp_loss_weight * torch.stack(mtp).mean() if mtp else lm
+        metrics = {"loss": loss.detach(), "lm_loss": lm.detach(),
+                   **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(mtp, start=1)}}
+        return loss, metrics
 
 
 class LoaderBatches:

@@ -2,7 +2,8 @@
 
 The run directory holds everything the run makes:
 
-    run_config.json      the resolved [model], [data], [train], [monitor] configuration (`--config` reads it back)
+    run_config.json      the resolved [model], [data], [train], [monitor], [dist] configuration (`--config` reads
+                         it back)
     mixture.json         tokens, share and epochs per bucket
     metrics.jsonl        one line per step; tensorboard/ too when tensorboard is installed
     events.jsonl         the stability monitor's detections and actions (metrics.rolled_back.jsonl: the lines of
@@ -12,11 +13,15 @@ The run directory holds everything the run makes:
 
 Running the command again on a finished run says it is complete and where its outputs are; an interrupted run
 continues with `--resume` (the run-directory rules every training command shares: hybridtron.train.run).
+
+Across processes: `torchrun --nproc-per-node N -m hybridtron pretrain ...` with the same options; the `[dist]`
+section lays the model out (FSDP2, TP, EP, PP; docs/SCALE.md), and a checkpoint resumes at any world size.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -28,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                         help="model preset to start from (default: tiny, 3.7M parameters, trains on a laptop CPU)")
-    add_run_arguments(parser, sections="[model], [data], [train] and [monitor]", default_steps=400,
+    add_run_arguments(parser, sections="[model], [data], [train], [monitor] and [dist]", default_steps=400,
                       set_example="--set train.lr=3e-4 --set data.vocab_size=2048",
                       config_default="the preset's values", quiet_help="no mixture table and no progress bar")
 
@@ -44,74 +49,68 @@ def resolve_config(args):
     return build_run_config(args.preset, args.config, overrides)
 
 
-def build_trainer(config, out: Path, checkpoints, *, quiet: bool, stream=sys.stderr):
-    """The pretraining run of `config` in `out`: data, model under its precision policy, monitor and hooks."""
-    import torch
-
+def build_trainer(config, out: Path, checkpoints, *, quiet: bool, stream=None):
+    """The pretraining run of `config` in `out`: data, model under its precision policy, monitor and hooks. Its
+    messages go to `stream`, by default the `sys.stderr` of the moment (not of import time: it may be redirected)."""
+    stream = sys.stderr if stream is None else stream
     from hybridtron.data import build_data
     from hybridtron.model.lm import HybridLM
-    from hybridtron.numerics.policy import convert_for_training
-    from hybridtron.train import hooks as H
     from hybridtron.train.evaluate import ValidationLoss
-    from hybridtron.train.loop import Trainer
-    from hybridtron.train.monitor import build_monitor
-    from hybridtron.train.objectives import LoaderBatches, PretrainObjective
-    from hybridtron.train.preflight import bf16_warning, check_memory
+    from hybridtron.train.objectives import PretrainObjective
+    from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
 
     train = config.train
     model_config = config.model
     if train.mtp_loss_weight is not None:
         model_config = model_config.replace(mtp_loss_weight=train.mtp_loss_weight)
-    device = torch.device("cpu")
-    check_memory(model_config, config.data.seq_len * config.data.batch_size, device, "this run")
-    warning = bf16_warning(train.precision, device)
-    if warning:
-        print(warning, file=stream)
-    if train.threads:
-        torch.set_num_threads(train.threads)
-    torch.manual_seed(train.seed)
+    parallel = start_parallel(config.dist, model_config, batch_size=config.data.batch_size,
+                              grad_accum=train.grad_accum, seq_len=config.data.seq_len)
+    main = parallel is None or parallel.is_main
+    quiet = quiet or not main
+    prepare_process(train, model_config, config.data.seq_len * config.data.batch_size, stream)
 
-    data = build_data(config.data, total_sequences=train.steps * train.grad_accum * config.data.batch_size)
+    with parallel.main_first() if parallel is not None else contextlib.nullcontext():  # one rank fills the cache
+        data = build_data(config.data, total_sequences=train.steps * train.grad_accum * config.data.batch_size)
     if data.tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
                          f"{model_config.vocab_size}; set them equal (--set data.vocab_size=... or model.vocab_size)")
-    data.mixture_report.save(out / "mixture.json")
+    if main:
+        data.mixture_report.save(out / "mixture.json")
     if not quiet:
         print(data.mixture_report.format(max_rows=12), file=stream)
 
     model = HybridLM(model_config)
-    convert_for_training(model, train)  # precision policy, output-layer grad accumulation dtype
-    monitor, faults = build_monitor(config.monitor, out, model_config, stream)
-    batches = LoaderBatches(data.train_loader, train.grad_accum)
-    if faults is not None:
-        batches = faults.wrap_batches(batches, model_config.vocab_size)
-    hooks = [H.MetricsLogger(out, every=train.log_every)]
-    if not quiet:
-        hooks.append(H.ProgressBar(stream))
-        if monitor.events is not None:
-            monitor.events.newline_first = hooks[-1].interactive
-    trainer = Trainer(model, PretrainObjective(), batches, train, checkpoints, hooks=hooks,
-                      evaluators=[ValidationLoss(data.val_batches, train.val_every)], monitor=monitor, faults=faults)
+    val_batches = data.val_batches if parallel is None else \
+        [(ids.to(parallel.device), labels.to(parallel.device)) for ids, labels in data.val_batches]
+    objective = PretrainObjective(compile_loss=train.compile) if parallel is None else PretrainObjective(
+        parallel.sum_over_data, model_config.mtp_num_depths if model_config.has_mtp else 0, train.compile)
+    trainer = assemble_trainer(model, objective, data.train_loader, [ValidationLoss(val_batches, train.val_every)],
+                               train=train, monitor_config=config.monitor, out=out, checkpoints=checkpoints,
+                               quiet=quiet, stream=stream, parallel=parallel)
     return trainer, data
 
 
 def run(args) -> int:
-    from hybridtron.checkpoint.hf import save_pretrained
     from hybridtron.data.chat import save_tokenizer_files
+    from hybridtron.dist.mesh import check_run_layout, world_from_env
     from hybridtron.train.config import RunConfig
-    from hybridtron.train.run import print_summary, train_in_run_dir
+    from hybridtron.train.run import export_model, print_summary, train_in_run_dir
 
     config = resolve_config(args)
     if args.print_config:
         print(config.to_toml(), end="")
         return 0
+    check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=config.data.batch_size,
+                     grad_accum=config.train.grad_accum, seq_len=config.data.seq_len)  # before anything is written
     result = train_in_run_dir(args, config, RunConfig.load, lambda out, checkpoints: build_trainer(
         config, out, checkpoints, quiet=args.quiet))
     if result is None:  # the run in --out was already complete
         return 0
     trainer, data = result
     out = Path(args.out)
-    save_pretrained(trainer.model, out / "hf")
-    save_tokenizer_files(data.tokenizer, out / "hf", model_max_length=config.model.max_position_embeddings)
-    print_summary(trainer, out, out / "hf")
+    if export_model(trainer, out / "hf"):  # gathered from the shards under torchrun; rank 0 writes
+        save_tokenizer_files(data.tokenizer, out / "hf", model_max_length=config.model.max_position_embeddings)
+        print_summary(trainer, out, out / "hf")
+    if trainer.parallel is not None:
+        trainer.parallel.close()
     return 0

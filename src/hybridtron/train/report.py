@@ -5,13 +5,16 @@ hybridtron.train.monitor) and draws, as PNGs embedded in the page (matplotlib, A
 
     losses           loss, lm_loss, each MTP depth, validation loss; steps a rollback abandoned drawn faint
     gradient norms   global, the output layer (lm_head) and every layer's weight-gradient L2 norm (log scale)
-    MaxVio heatmap   MoE layer x step, colour scale from 1 (balanced) to the bound E/K
+    MaxVio heatmap   router x step (every backbone MoE layer and the MTP block's), colour scale from 1 (balanced)
+                     to the bound E/K
     residual RMS     per layer over time (log scale)
     NVFP4 underflow  heatmap, quantized module x step: share of values flushed to zero (or a note: not quantized)
-    balance/updates  router bias spread per MoE layer, update-to-weight ratio, learning rate
+    balance/updates  router bias spread per router, update-to-weight ratio, learning rate
     events           every detection and action on a step axis
 
 It works on a run that is still going: a half-written last line is ignored, and missing signals become notes.
+Routers are named as the metrics name them (`maxvio/3`: backbone layer 3, `maxvio/mtp.1`: the MTP block's layer 1)
+and labelled "layer 3" and "MTP layer 1".
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from hybridtron.train.monitor import EVENTS_FILE, ROLLED_BACK_FILE
 
 ACTION_STYLE = {  # colour and marker of each event action on the plots
     "warn": ("#b8860b", "o"), "skip": ("#ff7f0e", "v"), "rollback": ("#d62728", "X"), "anneal": ("#9467bd", "X"),
@@ -98,9 +99,12 @@ class RunData:
 
     @property
     def bound(self) -> float | None:
+        """MaxVio's bound E/K from the run's model config; None without one (a run that has not started)."""
+        from hybridtron.train.balance import max_violation_bound
+
         model = self.config.get("model", {})
         if model.get("n_routed_experts") and model.get("num_experts_per_tok"):
-            return model["n_routed_experts"] / model["num_experts_per_tok"]
+            return max_violation_bound(model["n_routed_experts"], model["num_experts_per_tok"])
         return None
 
     @property
@@ -119,7 +123,15 @@ def _natural(key: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
 
 
+def router_label(key: str) -> str:
+    """`maxvio/3` -> "layer 3" (backbone), `router_bias_spread/mtp.1` -> "MTP layer 1" (the MTP block's)."""
+    name = key.split("/", 1)[1]
+    return f"MTP layer {name.removeprefix('mtp.')}" if name.startswith("mtp.") else f"layer {name}"
+
+
 def load_run(run_dir: Path) -> RunData:
+    from hybridtron.train.monitor import EVENTS_FILE, ROLLED_BACK_FILE
+
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run directory")
     if not (run_dir / "metrics.jsonl").exists():
@@ -134,6 +146,8 @@ def load_run(run_dir: Path) -> RunData:
 # ================================================================================================ summary
 def summary(data: RunData) -> str:
     """A few lines for the terminal: progress, losses, balance, residual spread, events."""
+    from hybridtron.train.monitor import ROLLED_BACK_FILE
+
     lines = []
     planned = data.planned_steps
     finished = (data.run_dir / "hf" / "config.json").exists()
@@ -153,7 +167,7 @@ def summary(data: RunData) -> str:
     maxvio = {k: data.steps(k)[1][-1] for k in data.keys("maxvio/")}
     if maxvio:
         bound = f", bound E/K {data.bound:.4g}" if data.bound else ""
-        lines.append("  MaxVio " + ", ".join(f"layer {k.split('/')[1]} {v:.3g}" for k, v in maxvio.items()) + bound)
+        lines.append("  MaxVio " + ", ".join(f"{router_label(k)} {v:.3g}" for k, v in maxvio.items()) + bound)
     residual = _last_sample(data, "residual_rms/")
     if len(residual) >= 2 and min(residual.values()) > 0:
         spread = math.log10(max(residual.values()) / min(residual.values()))
@@ -285,11 +299,11 @@ def plot_maxvio(data: RunData) -> str:
     image = axes.imshow(grid, aspect="auto", interpolation="nearest", cmap="magma", vmin=1.0, vmax=bound,
                         extent=(steps[0] - half, steps[-1] + half, len(keys) - 0.5, -0.5))
     axes.set_yticks(range(len(keys)))
-    axes.set_yticklabels([f"layer {k.split('/')[1]}" for k in keys])
+    axes.set_yticklabels([router_label(k) for k in keys])
     axes.set_xlabel("step")
     colorbar = figure.colorbar(image, ax=axes)
     colorbar.set_label(f"MaxVio (bound E/K = {bound:.4g})")
-    axes.set_title(f"max load / mean load per MoE layer; 1 = balanced, {bound:.4g} = every token on the same "
+    axes.set_title(f"max load / mean load per router; 1 = balanced, {bound:.4g} = every token on the same "
                    f"experts", fontsize=9)
     return _png(plt, figure)
 
@@ -335,7 +349,7 @@ def plot_balance_and_updates(data: RunData) -> str:
     import matplotlib.pyplot as plt
     figure, (bias_axes, ratio_axes, lr_axes) = plt.subplots(1, 3, figsize=(10, 3), dpi=90)
     for key in data.keys("router_bias_spread/"):
-        bias_axes.plot(*data.steps(key), linewidth=1, label=f"layer {key.split('/')[1]}")
+        bias_axes.plot(*data.steps(key), linewidth=1, label=router_label(key))
     bias_axes.set_title("router bias spread (max - min)", fontsize=9)
     for key, style in (("update_ratio", "k.-"), ("update_ratio/lm_head", "r.-")):
         steps, values = data.steps(key)
@@ -379,22 +393,64 @@ def plot_events(data: RunData) -> str:
     return _png(plt, figure)
 
 
+def plot_rl(data: RunData) -> str:
+    """GRPO's panels: rewards and held-out pass@1, completion lengths, the policy and mismatch statistics, and
+    throughput with the MTP acceptance length."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figure, grid = plt.subplots(2, 2, figsize=(10, 6), dpi=90)
+    (rewards, lengths), (policy, speed) = grid
+    panels = (
+        (rewards, "rewards (train rollouts) and held-out pass@1", ("reward_mean", "reward_one_share", "pass_at_1")),
+        (lengths, "completion length (tokens)", ("response_length", "response_length_max", "eval_response_length")),
+        (policy, "policy and rollout-vs-trainer statistics (log)", ("is_mismatch", "is_out_of_bounds_share", "clip_fraction",
+                                                              "kl", "entropy")),
+        (speed, "tokens/s: rollout generation, training step", ("rollout_tokens_per_s", "tokens_per_s")),
+    )
+    for axes, title, keys in panels:
+        for key in keys:
+            steps, values = data.steps(key)
+            if steps:
+                style = "o-" if key.startswith(("pass_at_1", "eval_")) else "-"
+                axes.plot(steps, values, style, linewidth=1, markersize=3, label=key)
+        axes.set_title(title, fontsize=9)
+        if axes.lines:
+            axes.set_xlabel("step")
+            axes.legend(fontsize=7)
+            _event_lines(axes, data)
+        else:
+            _note(axes, "not logged")
+    if policy.lines:  # entropy in nats beside mismatches of 1e-6: log scale (zeros are not drawn)
+        policy.set_yscale("log")
+    steps, values = data.steps("mtp_acceptance_length")
+    if steps:
+        twin = speed.twinx()
+        twin.plot(steps, values, color="#777777", linestyle=":", linewidth=1)
+        twin.set_ylabel("MTP acceptance length (dotted)", fontsize=8)
+    return _png(plt, figure)
+
+
 PLOTS = (
     ("Losses", "loss, main loss, each MTP depth, validation", plot_losses),
     ("Gradient norms", "weight-gradient L2 norms before clipping: global, output layer, per layer", plot_grad_norms),
-    ("MaxVio", "expert load imbalance per MoE layer over the ExpertLoad window", plot_maxvio),
+    ("MaxVio", "expert load imbalance per router (backbone MoE layers, then the MTP block's) over the MaxVio "
+               "window", plot_maxvio),
     ("Residual stream", "RMS of the residual stream after each block", plot_residual),
     ("NVFP4 underflow", "share of non-zero fprop operand values flushed to zero, per quantized module",
      plot_underflow),
     ("Balance and updates", "router bias spread, update-to-weight ratio, learning rate", plot_balance_and_updates),
     ("Events", "detections and actions of the stability monitor", plot_events),
 )
+RL_PLOTS = (  # drawn for runs that log rollouts (hybridtron grpo)
+    ("Rollouts", "GRPO: rewards, pass@1, lengths, IS mismatch, clip fraction, KL, entropy, throughput", plot_rl),
+)
 
 
 # =================================================================================================== page
 def render_html(data: RunData) -> str:
     figures = []
-    for title, caption, plot in PLOTS:
+    for title, caption, plot in PLOTS + (RL_PLOTS if data.steps("reward_mean")[0] else ()):
         figures.append(f'<figure><h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" '
                        f'src="data:image/png;base64,{plot(data)}"><figcaption>{html.escape(caption)}</figcaption>'
                        f"</figure>")

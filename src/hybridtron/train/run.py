@@ -15,12 +15,19 @@ Configurations are sections of frozen dataclasses (`[train]`, `[monitor]`, ...),
 file, then `--set SECTION.FIELD=VALUE` overrides, each value parsed by the type of the field it names
 (`merge_sections`).
 
+Under torchrun every rank runs the same command: global rank 0 alone writes the run directory (run_config.json,
+metrics, events, the HF export, gathered from the shards) and prints; all ranks build the same model, parallelize
+it by the `[dist]` layout (`start_parallel`, `assemble_trainer(parallel=...)`) and train together. A worker that
+torchrun restarts after a failure (`--max-restarts`) continues from the latest complete checkpoint, as `--resume`
+does.
+
 Command modules build their parsers from this module, so its top-level imports stay light (no torch).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -125,6 +132,84 @@ def sections_toml(sections: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+# ------------------------------------------------------------------------------------------- the trainer
+def is_main_process() -> bool:
+    """Global rank 0 under torchrun (RANK), or a plain process: the one that writes the run directory."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def restarted_by_torchrun() -> bool:
+    """torchrun restarted this worker after a failure of the job (`--max-restarts`)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: int, seq_len: int):
+    """The run's process groups (hybridtron.dist.mesh.init_parallel): None for one process and the default
+    layout; a layout the planner rejects is a ValueError before any process group is built."""
+    from hybridtron.dist.mesh import init_parallel
+
+    return init_parallel(dist_config, model_config, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
+
+
+def prepare_process(train, model_config, micro_batch_tokens: int, stream=sys.stderr) -> None:
+    """Before anything is built: refuse a run that cannot fit in memory, warn of a slow bf16 CPU, set the thread
+    count and the seed (model initialization and everything after it draw from it)."""
+    import torch
+
+    from hybridtron.train.preflight import bf16_warning, check_memory
+
+    device = torch.device("cpu")
+    check_memory(model_config, micro_batch_tokens, device, "this run")
+    warning = bf16_warning(train.precision, device)
+    if warning:
+        print(warning, file=stream)
+    if train.threads:
+        torch.set_num_threads(train.threads)
+    torch.manual_seed(train.seed)
+
+
+def assemble_trainer(model, objective, loader, evaluators, *, train, monitor_config, out: Path, checkpoints,
+                     quiet: bool, stream=sys.stderr, parallel=None):
+    """A `Trainer` for `model` as every training command runs it: the precision policy applied, the model
+    parallelized (`train.compile`, `train.recompute`, and under torchrun the `[dist]` layout of `parallel`), the
+    stability monitor (and its fault injector, which may corrupt the loader's batches), `grad_accum`
+    micro-batches a step from `loader` (this rank's rows of them), metrics.jsonl and, unless `quiet`, the progress
+    bar (both on global rank 0 only)."""
+    import torch
+
+    from hybridtron.dist.parallelize import parallelize
+    from hybridtron.numerics.policy import convert_for_training
+    from hybridtron.train import hooks as H
+    from hybridtron.train.loop import Trainer
+    from hybridtron.train.monitor import build_monitor
+    from hybridtron.train.objectives import LoaderBatches
+
+    if parallel is None:
+        convert_for_training(model, train)  # precision policy, output-layer grad accumulation dtype
+    else:  # under FSDP the output layer's gradient is reduced in grad_accum_dtype instead (see dist.parallelize)
+        convert_for_training(model, dataclasses.replace(train, grad_accum_dtype="fp32"))
+    model = parallelize(model, parallel, recompute=train.recompute, compile=train.compile,
+                        output_reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[train.grad_accum_dtype])
+    main = parallel is None or parallel.is_main
+    monitor, faults = build_monitor(monitor_config, out, model.config, stream)
+    if not main and monitor.events is not None:  # every rank judges the same steps; rank 0 alone records them
+        monitor.events.path, monitor.events.stream = Path(os.devnull), open(os.devnull, "w")
+    batches = LoaderBatches(loader, train.grad_accum)
+    if faults is not None:
+        batches = faults.wrap_batches(batches, model.config.vocab_size)
+    if parallel is not None:
+        from hybridtron.dist.step import DataParallelBatches
+
+        batches = DataParallelBatches(batches, parallel)
+    hooks = [H.MetricsLogger(out, every=train.log_every)] if main else []
+    if not quiet and main:
+        hooks.append(H.ProgressBar(stream))
+        if monitor.events is not None:
+            monitor.events.newline_first = hooks[-1].interactive
+    return Trainer(model, objective, batches, train, checkpoints, hooks=hooks, evaluators=evaluators,
+                   monitor=monitor, faults=faults, parallel=parallel)
+
+
 # ---------------------------------------------------------------------------------------------- the run
 def finished_run(out: Path, config, checkpoints, load_config: Callable[[Path], Any]) -> bool:
     """`out` holds a run of this configuration that trained to its last step and wrote its HF export."""
@@ -136,7 +221,7 @@ def finished_run(out: Path, config, checkpoints, load_config: Callable[[Path], A
     return load_config(out / RUN_CONFIG) == config and step_of(latest) >= config.train.steps
 
 
-def train_in_run_dir(args, config, build: Callable, load_config: Callable[[Path], Any]):
+def train_in_run_dir(args, config, load_config: Callable[[Path], Any], build: Callable):
     """Train `config` in `args.out` by the rules of the module docstring. `build(out, checkpoints)` returns
     `(trainer, extra)`; this returns the same pair once the trainer has trained, or None when the run in `out` was
     already complete (which it says). `config` needs `save(path)`, equality and `train.steps` /
@@ -147,8 +232,10 @@ def train_in_run_dir(args, config, build: Callable, load_config: Callable[[Path]
         raise ValueError("--out is required: the run directory to create (e.g. --out runs/mine)")
     out = Path(args.out)
     checkpoints = CheckpointManager(out / "checkpoints", keep=config.train.keep_checkpoints)
+    main = is_main_process()
     try:
-        latest = checkpoints.latest() if args.resume else None
+        resume = args.resume or (restarted_by_torchrun() and checkpoints.latest() is not None)
+        latest = checkpoints.latest() if resume else None
         if args.resume and latest is None:
             raise FileNotFoundError(f"{out / 'checkpoints'}: no complete checkpoint to resume from")
         if finished_run(out, config, checkpoints, load_config):
@@ -157,11 +244,12 @@ def train_in_run_dir(args, config, build: Callable, load_config: Callable[[Path]
                   f"HF export:   {out / 'hf'}\n(to train further: --resume --steps N with a larger N; for a new "
                   f"run: another --out)")
             return None
-        if not args.resume and checkpoints.list():
+        if not resume and checkpoints.list():
             raise ValueError(f"{out}: holds an unfinished run (checkpoint {checkpoints.latest().name}); pass --resume "
                              f"to continue it, or choose another --out for a new run")
         out.mkdir(parents=True, exist_ok=True)
-        config.save(out / RUN_CONFIG)
+        if main:
+            config.save(out / RUN_CONFIG)
         trainer, extra = build(out, checkpoints)
         if latest is not None:
             checkpoints.remove_incomplete()
@@ -169,11 +257,33 @@ def train_in_run_dir(args, config, build: Callable, load_config: Callable[[Path]
             if args.steps is not None and args.steps != trainer.schedule.total_steps:
                 # an explicit --steps on resume replans the schedule to the new total (e.g. to extend a run)
                 trainer.schedule = trainer.new_schedule()
-            print(f"resumed from {latest} (step {trainer.step})", file=sys.stderr)
+            if main:
+                print(f"resumed from {latest} (step {trainer.step})", file=sys.stderr)
         trainer.train()
     finally:
         checkpoints.close()
     return trainer, extra
+
+
+def export_model(trainer, hf_dir: Path) -> bool:
+    """Write the trained model as an HF checkpoint into `hf_dir`; under torchrun every rank takes part (the
+    shards are gathered) and global rank 0 writes. Returns whether this process wrote it."""
+    from hybridtron.checkpoint.hf import save_pretrained
+
+    parallel = trainer.parallel
+    if parallel is None:
+        save_pretrained(trainer.model, hf_dir)
+        return True
+    from hybridtron.dist.step import full_state_dict
+    from hybridtron.model.lm import HybridLM
+
+    state = full_state_dict(trainer.model, parallel)
+    if parallel.is_main:
+        model = HybridLM(trainer.model.config, init=False)
+        model.load_state_dict(state)
+        save_pretrained(model, hf_dir)
+    parallel.barrier()
+    return parallel.is_main
 
 
 def print_summary(trainer, out: Path, hf_dir: Path) -> None:

@@ -1,9 +1,10 @@
 """Stability monitoring: the signals the Ultra report watched, detectors on them, and automatic responses.
 
-Ultra's pretraining diverged twice (SPEC-nvfp4.md). What showed it: the loss together with the weight-gradient L2
-norm; the MTP-2 loss spiking first; expert imbalance (the first MoE layer's MaxVio 4.8 -> about 12, bound 23.27);
-residual norms spreading four orders of magnitude across layers. What fixed it: a rollback with FP32 gradient
-reduction; a rollback with immediate LR annealing and a cut budget. Every run is watched for those signals:
+Ultra's pretraining diverged twice (the Nemotron 3 Ultra report; docs/experiments/divergence1.md reproduces the
+first in miniature). What showed it: the loss together with the weight-gradient L2 norm; the MTP-2 loss spiking
+first; expert imbalance (the first MoE layer's MaxVio 4.8 -> about 12, bound 23.27); residual norms spreading four
+orders of magnitude across layers. What fixed it: a rollback with FP32 gradient reduction; a rollback with immediate
+LR annealing and a cut budget. Every run is watched for those signals:
 
     config.py     MonitorConfig, the `[monitor]` section: sampling, thresholds, the response of each detector
     signals.py    residual RMS per layer, NVFP4 underflow, update-to-weight ratio, router-bias spread (the losses,
@@ -22,7 +23,6 @@ trajectory that counts, and the lines of steps a rollback abandoned move to metr
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from hybridtron.train.monitor.config import DETECTORS, FAULT_KINDS, RESPONSES, MonitorConfig, parse_faults
@@ -43,13 +43,15 @@ __all__ = [
 ]
 
 
-def build_monitor(config: MonitorConfig, run_dir: Path, model_config, stream=sys.stderr
+def build_monitor(config: MonitorConfig, run_dir: Path, model_config, stream=None
                   ) -> tuple[StabilityMonitor | NoMonitor, FaultInjector | None]:
     """The run's monitor (a `NoMonitor` when `monitor.enabled` is false) and its fault injector (None unless
     `monitor.inject_fault` names faults)."""
     if not config.enabled:
         return NoMonitor(), None
-    bound = model_config.n_routed_experts / model_config.num_experts_per_tok
+    from hybridtron.train.balance import max_violation_bound
+
+    bound = max_violation_bound(model_config.n_routed_experts, model_config.num_experts_per_tok)
     monitor = StabilityMonitor(config, Path(run_dir), bound, stream)
     faults = FaultInjector(config, monitor.events) if config.inject_fault else None
     return monitor, faults

@@ -24,7 +24,7 @@ FAULT_KINDS = ("lr_spike", "corrupt_batch", "nan_grad", "router_bias")
 class MonitorConfig:
     """The `[monitor]` section: signals, detector thresholds and the response of each detector."""
 
-    enabled: bool = True
+    enabled: bool = True  # watch the run at all (false: no signals, detectors, responses or faults)
     # signals (sampled ones every N steps; per-layer weight-gradient norms and router bias spread every step)
     residual_every: int = 10  # residual-stream RMS per layer
     update_ratio_every: int = 10  # update-to-weight ratio (copies the weights once per sampled step)
@@ -32,18 +32,18 @@ class MonitorConfig:
     # detectors
     window: int = 50  # steps of rolling history each detector compares against
     min_history: int = 20  # steps of history before a detector may fire
-    loss_spike_sigma: float = 6.0
-    loss_spike_min_rel: float = 0.05
-    wgrad_growth_factor: float = 10.0
-    mtp_lead_sigma: float = 6.0
+    loss_spike_sigma: float = 6.0  # loss_spike: lm_loss above mean + this many sigma of the window ...
+    loss_spike_min_rel: float = 0.05  # ... and at least this share above the mean
+    wgrad_growth_factor: float = 10.0  # wgrad_growth: grad_norm or wgrad_norm/lm_head over this x rolling median
+    mtp_lead_sigma: float = 6.0  # mtp_leads: the gap mtp_loss_d - lm_loss above mean + this many sigma
     mtp_lead_rise: float = 0.05  # smoothed MTP loss this share above its minimum (the main loss not following)
     mtp_lead_ema: float = 0.95  # EMA decay per step (about a 20-step memory)
     mtp_lead_after: int = 100  # steps before mtp_leads judges: early on the MTP depths learn more slowly than the
     #                            main head, so their gap grows by itself
     maxvio_share: float = 0.5  # of the bound E/K
-    residual_spread_orders: float = 3.0
+    residual_spread_orders: float = 3.0  # residual_spread: log10(max / min residual RMS over layers) above this
     # responses: warn | skip | rollback | anneal
-    on_nonfinite: str = "skip"
+    on_nonfinite: str = "skip"  # the response of each detector: warn, skip, rollback or anneal
     on_loss_spike: str = "skip"
     on_wgrad_growth: str = "warn"
     on_mtp_leads: str = "warn"
@@ -57,8 +57,8 @@ class MonitorConfig:
     anneal_steps: int = 0  # decay length after an anneal; 0 = the planned decay length
     # fault injection, for tests and drills only
     inject_fault: str = ""  # "KIND@STEP[,KIND@STEP...]", KIND in lr_spike, corrupt_batch, nan_grad, router_bias
-    inject_lr_factor: float = 1000.0
-    inject_router_bias: float = 1.0
+    inject_lr_factor: float = 1000.0  # lr_spike: the LR multiplier of the faulted step
+    inject_router_bias: float = 1.0  # router_bias: added to the first router's bias of expert 0
 
     def validate(self) -> None:
         for name in ("mtp_lead_after", "anneal_steps"):

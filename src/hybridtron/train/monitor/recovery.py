@@ -72,8 +72,9 @@ class Decision:
 class EventLog:
     """events.jsonl (append-only) and the same events on stderr."""
 
-    def __init__(self, run_dir: Path, stream=sys.stderr):
-        self.path, self.stream = Path(run_dir) / EVENTS_FILE, stream
+    def __init__(self, run_dir: Path, stream=None):
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.stream = stream if stream is not None else sys.stderr  # looked up now: stderr may be redirected
         self.newline_first = False  # a progress bar owns the current terminal line
 
     def write(self, step: int, detector: str, action: str, message: str, **extra) -> dict:
@@ -95,7 +96,7 @@ def _clean(value):
 class StabilityMonitor:
     """Signals -> detectors -> a `Decision` per step (see the module docstring)."""
 
-    def __init__(self, config: MonitorConfig, run_dir: Path, maxvio_bound: float, stream=sys.stderr):
+    def __init__(self, config: MonitorConfig, run_dir: Path, maxvio_bound: float, stream=None):
         self.config = config
         self.events = EventLog(run_dir, stream)
         self.signals = [ResidualRMS(config.residual_every), Underflow(config.underflow_every),

@@ -71,6 +71,18 @@ class ResidualRMS(Signal):
         self.armed = sampled(step, self.every)
 
     def measure(self, trainer, stats):
+        parallel = getattr(trainer, "parallel", None)
+        if parallel is not None and self.armed:  # every rank of a stage holds as many of its own tokens
+            import torch.distributed as dist
+
+            keys = sorted(self.sums)
+            means = torch.stack([self.sums[i] / self.counts[i] for i in keys]).double() if keys else None
+            if means is not None:
+                dist.all_reduce(means, group=parallel.group("tokens"))
+                means /= dist.get_world_size(parallel.group("tokens"))
+            self.sums, self.counts, self.armed = {}, {}, False
+            local = {f"residual_rms/{i}": math.sqrt(v) for i, v in zip(keys, means.tolist() if keys else [])}
+            return parallel.merge_over_stages(local)
         values = {f"residual_rms/{i}": math.sqrt(float(self.sums[i]) / self.counts[i]) for i in sorted(self.sums)}
         self.sums, self.counts, self.armed = {}, {}, False
         return values
@@ -144,6 +156,8 @@ class UpdateRatio(Signal):
         before, self.before = self.before, None
         if before is None or not applied:
             return {}
+        if getattr(trainer, "parallel", None) is not None:  # sharded weights on several meshes: norms from shards
+            return self._distributed(trainer.parallel, before)
         names = [name for name, _, _ in before]
         deltas = torch.stack(torch._foreach_norm(torch._foreach_sub([p for _, p, _ in before],
                                                                     [old for _, _, old in before]))).double()
@@ -153,6 +167,22 @@ class UpdateRatio(Signal):
         if head.any():
             values["update_ratio/lm_head"] = float(deltas[head].pow(2).sum().sqrt()
                                                    / weights[head].pow(2).sum().sqrt().clamp_min(1e-30))
+        return values
+
+
+    @staticmethod
+    def _distributed(parallel, before) -> dict[str, float]:
+        from hybridtron.dist.step import global_grad_norms
+
+        def head_or_rest(name):
+            return "lm_head" if parameter_group(name) == "lm_head" else "rest"
+
+        delta, delta_groups = global_grad_norms([(name, p.detach() - old) for name, p, old in before], parallel,
+                                                head_or_rest)
+        weight, weight_groups = global_grad_norms([(name, old) for name, _, old in before], parallel, head_or_rest)
+        values = {"update_ratio": float(delta / weight.clamp_min(1e-30))}
+        if "lm_head" in delta_groups:
+            values["update_ratio/lm_head"] = delta_groups["lm_head"] / max(weight_groups["lm_head"], 1e-30)
         return values
 
 

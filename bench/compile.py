@@ -1,0 +1,101 @@
+"""`train.compile` against eager: the fp32 training step of bench22m, side by side, with tokens/s and MFU.
+
+    python bench/compile.py [--threads 1] [--clock cpu] [--repeats 5] [--batch 4] [--seq 512]
+
+Two copies of the same model (same weights, same batch): one eager with foreach AdamW (what `hybridtron pretrain`
+runs by default), one as `train.compile=true` runs it (every block, the MTP block included, compiled in place by
+`hybridtron.dist.parallelize`; the cross entropy compiled by the objective; torch's fused AdamW). A step is the
+objective's forward + backward + the optimizer step. The compiled copy
+is warmed up first (its compile time is reported apart); then the repetitions alternate eager, compiled, so both
+see the same machine load, and the table reports medians and their ratio. MFU is against the fp32 matmul peak
+measured in the same run on the same clock (`bench/pretrain.py`'s model FLOPs per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from hybridtron.config import bench22m
+from hybridtron.dist.parallelize import parallelize
+from hybridtron.model.lm import HybridLM
+from hybridtron.train.config import TrainConfig
+from hybridtron.train.loop import build_optimizer
+from hybridtron.train.objectives import PretrainObjective
+
+import clock
+from clock import timed
+from pretrain import model_flops_per_token
+
+
+def matmul_peak(size: int = 2048, repeats: int = 8) -> float:
+    """fp32 FLOP/s of a large square matmul, on the same clock as the steps (the best of `repeats`)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    return 2 * size ** 3 / min(timed(lambda: a @ b) for _ in range(repeats))
+
+
+def make_step(model, compiled: bool, ids, labels):
+    optimizer = build_optimizer(model, TrainConfig(lr=1e-4, compile=compiled))  # compiled: fused AdamW
+    objective = PretrainObjective(compile_loss=compiled)  # compiled: the cross entropy compiled, outside the model
+
+    def step():
+        objective.begin_step([(ids, labels)])
+        out = objective(model, (ids, labels))
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    clock.add_clock_argument(parser)
+    args = parser.parse_args()
+    clock.select(args.clock)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    eager = HybridLM(bench22m())
+    compiled = parallelize(copy.deepcopy(eager), None, compile=True)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, eager.config.vocab_size, (args.batch, args.seq), generator=generator)
+    labels = torch.roll(ids, -1, dims=1)
+    eager_step, compiled_step = make_step(eager, False, ids, labels), make_step(compiled, True, ids, labels)
+
+    started = time.perf_counter()
+    first = compiled_step()
+    compile_s = time.perf_counter() - started
+    eager_loss = eager_step()
+    assert torch.allclose(first, eager_loss, rtol=1e-4), (float(first), float(eager_loss))
+    compiled_step()  # a second call: anything recompiled for the second step's state is done too
+    times = {"eager": [], "compiled": []}
+    for _ in range(args.repeats):
+        times["eager"].append(timed(eager_step))
+        times["compiled"].append(timed(compiled_step))
+    peak = matmul_peak()
+    flops = model_flops_per_token(eager, args.seq)
+    tokens = args.batch * args.seq
+    print(f"bench22m fp32, batch {args.batch}x{args.seq}, {args.threads} thread(s), {args.clock} clock, "
+          f"{args.repeats} repeats; compile (first step): {compile_s:.0f} s wall")
+    print(f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; {flops / 1e6:.1f} MFLOP per token\n")
+    print("| step | median (s) | tokens/s | MFU vs fp32 peak | speedup |")
+    print("|---|---:|---:|---:|---:|")
+    base = statistics.median(times["eager"])
+    for name, values in times.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median:.3f} | {tokens / median:.0f} | {tokens / median * flops / peak:.0%} | "
+              f"{base / median:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""`hybridtron convert`: a sharded training checkpoint (DCP) to the HF layout, and an HF checkpoint to DCP.
+
+    hybridtron convert --from runs/x/checkpoints/step_000400 --to runs/x/hf-400      # DCP -> HF
+    hybridtron convert --from runs/x/hf --to ckpt/dcp                                  # HF -> DCP (the weights)
+
+DCP -> HF reads the model tensors of a checkpoint written by any world size and layout (DCP stores them in the
+single-process layout, `hybridtron.dist.state`) into one process and writes config.json and safetensors; the
+model config comes from the run's run_config.json (two levels up from the step directory) or `--config`. The
+optimizer state and the trainer state are left behind.
+
+HF -> DCP writes `{"model": state dict}` as a DCP checkpoint: a model-only checkpoint that `dcp.load` reads into a
+sharded model at any world size (`torch.distributed.checkpoint.state_dict.set_model_state_dict`). The tokenizer
+files, when the HF directory has them, are copied beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from", dest="source", required=True,
+                        help="a DCP checkpoint directory (step_NNNNNN, with .metadata) or an HF checkpoint "
+                             "directory (config.json + safetensors) (required)")
+    parser.add_argument("--to", dest="target", required=True, help="the directory to write (required)")
+    parser.add_argument("--config", default=None,
+                        help="DCP -> HF: the run_config.json or HF config.json of the model (default: the run's "
+                             "run_config.json two levels above --from)")
+
+
+def model_config_of(source: Path, config: str | None):
+    from hybridtron.config import ModelConfig
+
+    path = Path(config) if config else source.parent.parent / "run_config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no model config for {source} (pass --config with a run_config.json or "
+                                f"an HF config.json)")
+    raw = json.loads(path.read_text())
+    return ModelConfig.from_hf(raw["model"] if "model" in raw and "train" in raw else raw)
+
+
+def dcp_to_hf(source: Path, target: Path, config: str | None = None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from hybridtron.checkpoint.hf import save_pretrained
+    from hybridtron.model.lm import HybridLM
+
+    model = HybridLM(model_config_of(source, config), init=False)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # DCP warns that it runs in one process: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(source))
+    model.load_state_dict(state["model"])
+    save_pretrained(model, target)
+    for name in TOKENIZER_FILES:  # a run keeps its tokenizer with its HF export
+        if (source.parent.parent / "hf" / name).is_file():
+            shutil.copy(source.parent.parent / "hf" / name, target / name)
+
+
+def hf_to_dcp(source: Path, target: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from hybridtron.checkpoint.hf import load_pretrained
+
+    model = load_pretrained(source)
+    target.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(target))
+    shutil.copy(source / "config.json", target / "config.json")
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, target / name)
+
+
+def run(args) -> int:
+    source, target = Path(args.source), Path(args.target)
+    if (source / ".metadata").is_file():
+        dcp_to_hf(source, target, args.config)
+        print(f"{source} (DCP) -> {target} (HF)")
+    elif (source / "config.json").is_file():
+        if args.config:
+            raise ValueError("--config applies to DCP -> HF; an HF checkpoint carries its own config.json")
+        hf_to_dcp(source, target)
+        print(f"{source} (HF) -> {target} (DCP, model only)")
+    else:
+        raise FileNotFoundError(f"{source}: neither a DCP checkpoint (no .metadata) nor an HF checkpoint "
+                                f"(no config.json)")
+    return 0

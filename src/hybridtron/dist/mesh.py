@@ -1,0 +1,206 @@
+"""Process groups for a run: check the layout with the planner's rules, then build the device meshes.
+
+One world mesh, viewed three ways (torchtitan's ParallelDims, with the expert dimensions of `plan.py`):
+
+    dense    (pp, dp_replicate, dp_shard, cp, tp)        attention, Mamba, MLPs, embedding, lm_head
+             flattened: dp_shard_cp (FSDP of dense weights), data = dp_replicate x dp_shard x cp (loss and metric
+             sums), tokens = data x tp (every rank of a stage that holds its own tokens: expert counts),
+             dp_shard_cp_tp (FSDP of the weights that act token by token on sequence-parallel activations)
+    experts  (pp, dp_replicate, efsdp, ep)               routed experts: Shard(0) over ep, FSDP over efsdp
+             efsdp x ep = dp_shard x cp x tp, ep innermost (an EP group is ep consecutive ranks)
+
+Ranks are pp-major with tp innermost, as the planner places them, so a TP group is tp consecutive ranks.
+`init_parallel` reads torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK); a single process with the default
+layout gets None and trains exactly as before, without any process group. A layout the planner rejects fails here
+with the planner's one-line reason, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hybridtron.config import ModelConfig
+from hybridtron.dist.config import DistConfig
+from hybridtron.dist.costs import cluster_for
+from hybridtron.dist.plan import Layout, Workload, check_layout
+
+DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(world size, rank, local rank) as torchrun sets them; (1, 0, 0) for a plain process."""
+    return (int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")),
+            int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batch_size: int, grad_accum: int,
+                     seq_len: int) -> Layout:
+    """The layout of `config` on `world` processes, or a ValueError with the reason it cannot run: the planner's
+    structural rules first (`plan.check_layout`, the one-line reasons `hybridtron plan --layout` gives), then what
+    training itself needs (whole rows per data-parallel rank, whole sequence shards per TP rank), then what it
+    does not implement yet (context parallelism, expert tensor parallelism)."""
+    config.validate()
+    layout = Layout(**config.degrees(world))
+    workload = Workload(seq_len=seq_len, tokens_per_iter=seq_len * batch_size * grad_accum,
+                        micro_batch=max(1, batch_size // layout.dp))
+    rejected = check_layout(model, cluster_for("h100", world, gpus_per_node=world, nvlink_domain=world), workload, layout)
+    if rejected is not None:
+        raise ValueError(f"dist layout {layout} on {world} processes: {rejected.reason}")
+    if batch_size % layout.dp:
+        raise ValueError(f"data.batch_size {batch_size} does not split over dp_replicate x dp_shard = {layout.dp} "
+                         f"data-parallel ranks (each takes batch_size / dp whole rows)")
+    if layout.tp > 1 and seq_len % layout.tp:
+        raise ValueError(f"data.seq_len {seq_len} does not split over tp {layout.tp} (sequence parallelism gives "
+                         f"each TP rank seq_len / tp positions)")
+    if layout.cp > 1:
+        raise ValueError(f"dist.cp={layout.cp}: context parallelism is planned (`hybridtron plan`) but not "
+                         f"implemented in training; use cp=1")
+    if layout.etp != 1:
+        raise ValueError(f"dist.etp={layout.etp}: expert tensor parallelism is not implemented in training; use "
+                         f"etp=1 (each rank holds whole experts; EP may span the TP ranks)")
+    return layout
+
+
+@dataclass
+class Parallel:
+    """A run's process groups and where this rank sits in them. `Trainer(parallel=...)` and `parallelize` read it."""
+
+    config: DistConfig
+    layout: Layout
+    rank: int
+    world: int
+    device: torch.device
+    meshes: dict[str, DeviceMesh]  # "dense" (DENSE_DIMS), "experts" (EXPERT_DIMS) and their views (build_meshes)
+    pipeline: object | None = None  # pp > 1: the `pipeline.Pipeline` that `parallelize` built for this rank
+
+    # ------------------------------------------------------------------------------------------------ ranks
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the one that writes metrics, events, the report and the HF export."""
+        return self.rank == 0
+
+    def coordinate(self, dim: str) -> int:
+        return self.meshes["dense"].get_local_rank(dim)
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the dp_replicate x dp_shard data-parallel ranks (which rows it reads)."""
+        return self.coordinate("dp_replicate") * self.layout.dp_shard + self.coordinate("dp_shard")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinate("pp")
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """The process group of a dense mesh dimension or flattened view (`data`, `tokens`, `tp`, `pp`, ...)."""
+        return self.meshes[name].get_group()
+
+    # --------------------------------------------------------------------------------------- collectives
+    def sum_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the ranks that split the batch (dp_replicate x dp_shard x cp); TP and PP peers of a
+        rank hold the same rows, so they are not summed over."""
+        if self.layout.dp * self.layout.cp > 1:
+            dist.all_reduce(tensor, group=self.group("data"))
+        return tensor
+
+    def broadcast_object(self, obj, src: int = 0):
+        """`obj` of global rank `src` on every rank."""
+        holder = [obj if self.rank == src else None]
+        dist.broadcast_object_list(holder, src=src)
+        return holder[0]
+
+    def merge_over_stages(self, values: dict) -> dict:
+        """Under PP, every stage's `values` merged in stage order (each stage measures its own layers); as is
+        otherwise."""
+        if self.layout.pp == 1:
+            return values
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, values)
+        merged = {}
+        for part in everyone:
+            merged.update(part)
+        return merged
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self):
+        """Global rank 0 runs the block first (e.g. building a data cache), the others after it, from its cache."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------------------------------- meshes
+    def fsdp_mesh(self, region: str) -> DeviceMesh:
+        """The mesh FSDP shards a region's weights over: `dense` (dp_shard x cp; each TP rank its own TP shard),
+        `tokens` (also over tp: weights applied token by token to sequence-parallel activations, whose gradients
+        sum over the TP ranks), `experts` (efsdp). HSDP (a 2-D mesh) when dp_replicate > 1."""
+        shard = {"dense": "dp_shard_cp", "tokens": "dp_shard_cp_tp", "experts": "efsdp"}[region]
+        return self.meshes[f"hsdp_{region}"] if self.layout.dp_replicate > 1 else self.meshes[shard]
+
+
+def _backend(config: DistConfig, device: torch.device) -> str:
+    if config.backend != "auto":
+        return config.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_parallel(config: DistConfig, model: ModelConfig, *, batch_size: int, grad_accum: int, seq_len: int,
+                  timeout_s: float = 600.0) -> Parallel | None:
+    """Check the layout, then (for more than one process, or any non-trivial layout) start the process group on
+    this rank's device and build the meshes. None for a single process with the default layout."""
+    world, rank, local_rank = world_from_env()
+    layout = check_run_layout(config, model, world, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
+    if world == 1:
+        return None
+    if torch.cuda.is_available() and config.backend != "gloo":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = _backend(config, device)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("dist.backend=nccl needs CUDA devices; this machine has none (use gloo or auto)")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return Parallel(config=config, layout=layout, rank=rank, world=world, device=device,
+                    meshes=build_meshes(layout, device.type))
+
+
+def build_meshes(layout: Layout, device_type: str) -> dict[str, DeviceMesh]:
+    """Every view of one world mesh that the run uses, by name (module docstring)."""
+    world_mesh = init_device_mesh(device_type, (layout.world,), mesh_dim_names=("world",))
+    L = layout
+    dense = world_mesh._unflatten(0, (L.pp, L.dp_replicate, L.dp_shard, L.cp, L.tp), DENSE_DIMS)
+    meshes = {"dense": dense, "tp": dense["tp"], "pp": dense["pp"]}
+    for name, dims in (("dp_shard_cp", ("dp_shard", "cp")), ("dp_shard_cp_tp", ("dp_shard", "cp", "tp")),
+                       ("data", ("dp_replicate", "dp_shard", "cp")), ("tokens", ("dp_replicate", "dp_shard", "cp", "tp"))):
+        meshes[name] = dense[dims]._flatten(name)
+    efsdp = L.dp_shard * L.cp * L.tp // L.ep
+    meshes["experts"] = world_mesh._unflatten(0, (L.pp, L.dp_replicate, efsdp, L.ep), EXPERT_DIMS)
+    meshes["ep"], meshes["efsdp"] = meshes["experts"]["ep"], meshes["experts"]["efsdp"]
+    if L.dp_replicate > 1:  # HSDP: FSDP over a 2-D (replicate, shard) mesh
+        meshes["hsdp_dense"] = world_mesh._unflatten(
+            0, (L.pp, L.dp_replicate, L.dp_shard * L.cp, L.tp), ("pp", "dp_replicate", "hsdp_shard", "hsdp_tp")
+        )["dp_replicate", "hsdp_shard"]
+        meshes["hsdp_tokens"] = world_mesh._unflatten(
+            0, (L.pp, L.dp_replicate, L.dp_shard * L.cp * L.tp), ("pp", "dp_replicate", "hsdp_token_shard")
+        )["dp_replicate", "hsdp_token_shard"]
+        meshes["hsdp_experts"] = meshes["experts"]["dp_replicate", "efsdp"]
+    return meshes

@@ -1,0 +1,220 @@
+"""`parallelize(model, parallel, ...)`: apply a layout to a built HybridLM, in torchtitan's order.
+
+    0. pipeline parallelism (PP > 1): the model cut to this rank's stages (`pipeline.py`), then each stage:
+    1. tensor parallelism (TP > 1) with sequence parallelism: DTensor module plans, `tensor_parallel.py`
+    2. expert parallelism (EP > 1, or a capacity factor): the routed experts swapped for their EP share,
+       `expert_parallel.py`
+    3. activation checkpointing per block: `full` (keep each block's input, recompute the rest) or `selective`
+       (keep the GEMM, attention, scan and collective outputs; recompute norms and activation functions)
+    4. torch.compile per block (`train.compile`): each block's forward compiled in place, so parameter names stay
+    5. FSDP2 `fully_shard` per block (the MTP block as one), then the embedding, norm_f, lm_head and the root (each
+       pipeline stage's view under PP), each with a `MixedPrecisionPolicy`; lm_head's gradient is reduced in fp32
+       unless `grad_accum_dtype` is bf16
+
+Which mesh each weight is FSDP-sharded over (`Parallel.fsdp_mesh`): the dense weights over dp_shard x cp (every
+TP rank shards its own TP slice); under TP the weights applied token by token to sequence-parallel activations
+(the block norms, norm_f, the MoE router and latent projections, the MTP block's norms and eh_proj) over
+dp_shard x cp x tp, since each TP rank saw other tokens and their gradients must be summed over the TP ranks too;
+the routed experts over efsdp (experts on the ep dimension). Every gradient reduction is a sum (the objectives
+normalize by the global token count), so a layout computes the single-process gradient of the same global batch.
+
+Low-precision emulation composes, quantizing after every communication (FSDP gathers, TP gathers and all-to-alls
+move high-precision tensors): under FSDP each rank quantizes the whole gathered weight as one process does, and an
+activation's tensor scale comes from this rank's rows; under EP each local expert quantizes the rows it received;
+under TP each rank quantizes its own weight shard, with the shard's amax.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from hybridtron.config import MOE
+from hybridtron.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from hybridtron.dist.mesh import Parallel
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+# Selective recompute keeps what is expensive to redo (GEMMs, attention, the chunked scan's matmuls, every
+# collective) and recomputes the element-wise rest; the planner's "selective" (costs.py) assumes the same.
+_SAVED_OPS = {
+    torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+    torch.ops.aten._grouped_mm.default, torch.ops.aten.linear.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.all_to_all_single.default, torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops._c10d_functional.all_reduce.default,
+}
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers' prefixes (activation checkpointing, compile): the name a single
+    process gives it, which checkpoints, metrics and the monitor use."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+# FSDP's hooks on modules nested in a block (the routed experts under EP, the token-wise weights under TP) open
+# profiler ranges a different number of times when the block is recomputed in the backward; those ops carry no data,
+# so selective checkpointing may skip them as it skips the detaches it inserts itself.
+torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
+                                          torch.ops.profiler._record_function_exit.default,
+                                          torch.ops.profiler._record_function_exit._RecordFunction}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(block: nn.Module, recompute: str) -> nn.Module:
+    if recompute == "full":
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    if recompute == "selective":
+        return checkpoint_wrapper(block, preserve_rng_state=False,
+                                  context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                                               _selective_policy))
+    return block
+
+
+def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str = "none", compile: bool = False,
+                output_reduce_dtype: torch.dtype = torch.float32, seq_len: int = 4096,
+                compile_backend: str = "inductor") -> nn.Module:
+    """Apply PP, TP, EP, activation checkpointing, compile and FSDP (module docstring) to `model` in place;
+    returns it (under PP: this rank's stage model, and `parallel.pipeline` runs it). With `parallel` None (a
+    single process) only checkpointing and compile apply. `seq_len` weighs attention in the pipeline cut;
+    `compile_backend` is torch.compile's (tests trace with "aot_eager", which skips code generation)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
+    layout = parallel.layout if parallel is not None else None
+    views = None
+    if layout is not None and layout.pp > 1:
+        from hybridtron.dist.pipeline import cut_for_rank
+
+        stage_indices, cuts, num_stages = cut_for_rank(model, parallel, seq_len)
+    if layout is not None and layout.tp > 1:
+        from hybridtron.dist.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, parallel)
+    if layout is not None and (layout.ep > 1 or parallel.config.ep_capacity_factor > 0):
+        apply_expert_parallel(model, parallel.meshes["ep"], parallel.config.ep_capacity_factor)
+    for parent, key in _all_blocks(model):
+        block = _wrap(_get(parent, key), recompute)
+        if compile:
+            block.compile(backend=compile_backend)
+        _set(parent, key, block)
+    if layout is not None and layout.pp > 1:
+        from hybridtron.dist.pipeline import Pipeline, StageView
+
+        views = [StageView(model, cuts[i], first=i == 0, last=i == num_stages - 1) for i in stage_indices]
+    if parallel is not None:
+        apply_fsdp(model, parallel, output_reduce_dtype, roots=views)
+    if views is not None:
+        parallel.pipeline = Pipeline(model, views, stage_indices, num_stages, parallel, parallel.config.pp_schedule)
+    return model
+
+
+def _all_blocks(model: nn.Module) -> list[tuple[nn.Module, int | str]]:
+    """(parent, key) of every unit that is checkpointed, compiled and sharded as one: each backbone layer, and the
+    MTP block as a whole (its layers are never called as modules: the block's forward reaches into them, once per
+    depth)."""
+    found = []
+    layers = getattr(model.backbone, "layers", None) if getattr(model, "backbone", None) is not None else None
+    if layers is not None:  # a pipeline stage's placeholders for other stages' layers are skipped
+        found += [(layers, i) for i in range(len(layers)) if getattr(layers[i], "kind", None) is not None]
+    if getattr(model, "mtp", None) is not None:
+        found.append((model, "mtp"))
+    return found
+
+
+def _get(parent: nn.Module, key: int | str) -> nn.Module:
+    return parent[key] if isinstance(key, int) else getattr(parent, key)
+
+
+def _set(parent: nn.Module, key: int | str, module: nn.Module) -> None:
+    if isinstance(key, int):
+        parent[key] = module
+    else:
+        setattr(parent, key, module)
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    return getattr(module, "_checkpoint_wrapped_module", module)
+
+
+def _layers_of(unit: nn.Module) -> list[nn.Module]:
+    """The layers (Block or MTPLayer) of a unit: the block itself, or the MTP block's layers."""
+    inner = _unwrapped(unit)
+    return list(inner.layers) if hasattr(inner, "layers") else [inner]
+
+
+def _token_modules(unit: nn.Module) -> list[nn.Module]:
+    """A unit's modules that act token by token on sequence-parallel activations under TP (see the docstring)."""
+    found = []
+    for layer in _layers_of(unit):
+        found.append(layer.norm)
+        for name in ("enorm", "hnorm", "eh_proj", "final_layernorm"):  # the MTP layers' own
+            if getattr(layer, name, None) is not None:
+                found.append(getattr(layer, name))
+        if layer.kind == MOE:
+            found.append(layer.mixer.gate)
+            if layer.mixer.latent:
+                found += [layer.mixer.fc1_latent_proj, layer.mixer.fc2_latent_proj]
+    return found
+
+
+def apply_fsdp(model: nn.Module, parallel: Parallel, output_reduce_dtype: torch.dtype = torch.float32,
+               roots: list[nn.Module] | None = None) -> None:
+    """fully_shard per block (innermost groups first: token-wise weights under TP, the routed experts on their own
+    mesh), then the embedding, norm_f, lm_head and the root (under PP: each stage's view is a root). Gradients are
+    summed, never averaged."""
+    layout = parallel.layout
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    dense, tokens, experts = (parallel.fsdp_mesh(region) for region in ("dense", "tokens", "experts"))
+    units = _all_blocks(model)
+    for position, (parent, key) in enumerate(units):
+        unit = _get(parent, key)
+        if layout.tp > 1:
+            for module in _token_modules(unit):
+                fully_shard(module, mesh=tokens, mp_policy=policy)
+        for layer in _layers_of(unit):
+            if layer.kind == MOE and (layout.tp > 1 or isinstance(layer.mixer.experts, ExpertParallelExperts)):
+                fully_shard(layer.mixer.experts, mesh=experts, mp_policy=policy)
+        # the last unit's weights are needed again at once by the backward (and the MTP block's by each depth)
+        fully_shard(unit, mesh=dense, mp_policy=policy, reshard_after_forward=position < len(units) - 1)
+    backbone = getattr(model, "backbone", None)
+    if backbone is not None and getattr(backbone, "embeddings", None) is not None:
+        fully_shard(backbone.embeddings, mesh=dense, mp_policy=policy)
+    if backbone is not None and getattr(backbone, "norm_f", None) is not None:
+        fully_shard(backbone.norm_f, mesh=tokens if layout.tp > 1 else dense, mp_policy=policy)
+    if getattr(model, "lm_head", None) is not None:
+        fully_shard(model.lm_head, mesh=dense, reshard_after_forward=False,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=output_reduce_dtype))
+    for root in roots or [model]:
+        fully_shard(root, mesh=dense, mp_policy=policy)
+    for module in [m for root in roots or [model] for m in root.modules()] + list(model.modules()):
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def set_output_reduce_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Switch lm_head's FSDP gradient reduction to `dtype` (the monitor's rollback turns bf16 back to fp32).
+    FSDP2 has no public setter: this replaces the group's policy and re-derives its dtypes (`_init_mp_dtypes`),
+    which FSDP itself does at its lazy initialization. A pipeline stage without lm_head has nothing to switch."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        return
+    if not isinstance(head, FSDPModule):
+        raise ValueError("set_output_reduce_dtype: lm_head is not FSDP-sharded")
+    group = head._get_fsdp_state()._fsdp_param_group
+    if group is not None:
+        group.mp_policy = MixedPrecisionPolicy(param_dtype=group.mp_policy.param_dtype, reduce_dtype=dtype)
+        group._init_mp_dtypes()

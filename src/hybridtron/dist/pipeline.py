@@ -1,0 +1,206 @@
+"""Pipeline parallelism with torch.distributed.pipelining: stages at layer boundaries, a 1F1B schedule.
+
+The layers are cut where the planner cuts them (`plan.pipeline_stages`: contiguous, balanced by estimated
+compute), the embedding on the first stage, norm_f, lm_head, the MTP block and the loss on the last. With the
+interleaved schedule each rank holds two stages, r and r + pp (virtual stages: the bubble shrinks by half).
+
+Each rank keeps one HybridLM, `stage_model`, with the layers of its stages and placeholders (`AbsentLayer`, no
+parameters) for the rest, so every parameter keeps its single-process name: the optimizer, DCP (which merges
+the stages' checkpoints and reshards them to another pp) and the routers' bookkeeping see the model they know.
+A `StageView` per stage runs that stage's part of `HybridLM.forward`:
+
+    first stage    ids -> embeddings -> its layers -> (hidden, embeddings)
+    middle stages  (hidden, embeddings) -> its layers -> (hidden, embeddings)
+    last stage     ... -> norm_f -> lm_head (logits), and the MTP depths (their logits)
+
+The embeddings travel with the hidden state because the MTP block on the last stage reads them (token t + k's
+embedding at depth k). A step runs the step's `grad_accum` micro-batches through the schedule as its
+micro-batches (so grad_accum >= pp, the planner's rule); the objective's loss runs on the last stage, its
+metrics are broadcast from there, and each MoE layer's expert counts are summed over the micro-batches by a
+forward hook.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from hybridtron.config import ModelConfig
+from hybridtron.dist.costs import cluster_for
+from hybridtron.dist.mesh import Parallel
+from hybridtron.dist.plan import Workload, pipeline_stages
+
+
+class AbsentLayer(nn.Module):
+    """A layer another pipeline stage holds: no parameters; `kind` None, so the model's router and MoE
+    listings skip it."""
+
+    kind = None
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"layer {self.index} lives on another pipeline stage")
+
+
+def stage_layers(config: ModelConfig, stages: int, seq_len: int) -> list[list[int]]:
+    """The layer indices of each of `stages` stages, as the planner cuts them."""
+    workload = Workload(seq_len=seq_len, tokens_per_iter=seq_len)
+    cut = pipeline_stages(config, cluster_for("h100", 8), workload, stages)
+    return [[int(unit.name.split()[1]) for unit in stage.units if unit.name.startswith("layer")] for stage in cut]
+
+
+class StageView(nn.Module):
+    """One pipeline stage's part of `HybridLM.forward` (module docstring), over the stage model's modules."""
+
+    def __init__(self, model: nn.Module, layers: list[int], first: bool, last: bool):
+        super().__init__()
+        self.config = model.config
+        self.first, self.last = first, last
+        self.carries_embeddings = model.config.has_mtp
+        self.layer_indices = layers
+        self.layers = nn.ModuleList(model.backbone.layers[i] for i in layers)
+        if first:
+            self.embeddings = model.backbone.embeddings
+        if last:
+            self.norm_f, self.lm_head, self.mtp = model.backbone.norm_f, model.lm_head, model.mtp
+
+    def forward(self, *inputs):
+        if self.first:
+            embeddings = self.embeddings(inputs[0])
+            hidden = embeddings
+        else:
+            hidden = inputs[0]
+            embeddings = inputs[1] if self.carries_embeddings else None
+        for layer in self.layers:
+            hidden = layer(hidden)
+        if not self.last:
+            # a fresh view: a stage's outputs must not be its inputs themselves
+            return (hidden, embeddings.view_as(embeddings)) if self.carries_embeddings else hidden
+        hidden = self.norm_f(hidden)
+        outputs = [self.lm_head(hidden)]
+        if self.mtp is not None:  # as HybridLM.forward: depth k reads the embedding of token t + k
+            previous = hidden
+            for depth in range(1, self.config.mtp_num_depths + 1):
+                previous = self.mtp(previous, F.pad(embeddings[:, depth:], (0, 0, 0, depth)))
+                outputs.append(self.lm_head(previous))
+        return tuple(outputs)
+
+
+def split_for_stages(model: nn.Module, keep: set[int], first: bool, last: bool) -> nn.Module:
+    """`model` with the layers outside `keep` (and the embedding / head of other stages) removed, in place."""
+    for index in range(len(model.backbone.layers)):
+        if index not in keep:
+            model.backbone.layers[index] = AbsentLayer(index)
+    if not first:
+        model.backbone.embeddings = None
+    if not last:
+        model.backbone.norm_f, model.lm_head, model.mtp = None, None, None
+    return model
+
+
+class Pipeline:
+    """This rank's stages and the schedule that runs a step's micro-batches through all of them."""
+
+    def __init__(self, stage_model: nn.Module, views: list[StageView], stage_indices: list[int], num_stages: int,
+                 parallel: Parallel, schedule: str):
+        self.model, self.views, self.parallel = stage_model, views, parallel
+        self.stage_indices, self.num_stages, self.schedule_name = stage_indices, num_stages, schedule
+        self.group = parallel.group("pp")
+        self.holds_loss = num_stages - 1 in stage_indices
+        self.loss_rank = parallel.world - parallel.world // parallel.layout.pp  # the last stage's first rank
+        self._stages: dict[tuple, list[PipelineStage]] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+        for name, moe in stage_model.routers().items():
+            moe.register_forward_hook(self._counter(name))
+
+    def _counter(self, name: str):
+        # Under activation checkpointing a recomputed forward counts again; the router-bias update and MaxVio read
+        # only the loads' ratios, which that doubling leaves as they are.
+        def hook(module, inputs, output):
+            if module.training and module.last_expert_ids is not None:
+                counts = module.last_expert_counts
+                self.counts[name] = counts if name not in self.counts else self.counts[name] + counts
+        return hook
+
+    def stages(self, key: str, ids_shape: tuple[int, int]) -> list[PipelineStage]:
+        """Pipeline stages for micro-batches of `ids_shape`, with every stage's input and output shapes given
+        (static mode: no metadata inference, which would run a stage on placeholder data)."""
+        if (key, ids_shape) not in self._stages:
+            self._stages[(key, ids_shape)] = [
+                PipelineStage(view, index, self.num_stages, self.parallel.device, group=self.group,
+                              input_args=self._example(view, ids_shape, inputs=True),
+                              output_args=self._example(view, ids_shape, inputs=False))
+                for view, index in zip(self.views, self.stage_indices)]
+        return self._stages[(key, ids_shape)]
+
+    def _example(self, view: "StageView", ids_shape: tuple[int, int], inputs: bool) -> tuple[torch.Tensor, ...]:
+        """Meta tensors of a stage's inputs or outputs: ids, (hidden, embeddings) between stages (hidden
+        sequence-sharded under TP), the logits of the head and of each MTP depth out of the last."""
+        rows, length = ids_shape
+        config, tp = self.model.config, self.parallel.layout.tp
+        meta = dict(device="meta", dtype=torch.float32, requires_grad=True)  # activations carry gradients
+        if inputs and view.first:
+            return (torch.empty(ids_shape, device="meta", dtype=torch.long),)
+        if not inputs and view.last:
+            depths = config.mtp_num_depths if config.has_mtp else 0
+            return tuple(torch.empty(rows, length, config.vocab_size, **meta) for _ in range(1 + depths))
+        hidden = torch.empty(rows, length // tp, config.hidden_size, **meta)
+        return (hidden, torch.empty(rows, length, config.hidden_size, **meta)) if view.carries_embeddings \
+            else (hidden,)
+
+    def _schedule(self, stages, micro_batches: int, loss_fn, name: str):
+        if name == "interleaved-1f1b":
+            return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=loss_fn, scale_grads=False)
+        kind = Schedule1F1B if name == "1f1b" else ScheduleGPipe
+        return kind(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn) -> dict[str, torch.Tensor]:
+        """Forward and backward of every micro-batch; `loss_fn(outputs, labels)` runs on the last stage. Returns
+        this rank's expert counts per router, summed over the micro-batches."""
+        ids = torch.cat([ids for ids, _ in micro_batches])
+        labels = torch.cat([labels for _, labels in micro_batches])
+        stages = self.stages("train", tuple(micro_batches[0][0].shape))
+        schedule = self._schedule(stages, len(micro_batches), loss_fn, self.schedule_name)
+        self.counts = {}
+        if 0 in self.stage_indices:
+            schedule.step(ids, target=labels if self.holds_loss else None)
+        else:
+            schedule.step(target=labels if self.holds_loss else None)
+        counts, self.counts = self.counts, {}
+        return counts
+
+    @torch.no_grad()
+    def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+        """The next-token CE of one batch (no MTP), computed on the last stage and known to every rank."""
+        from hybridtron.model.lm import cross_entropy
+
+        losses: list[torch.Tensor] = []
+        stages = self.stages("eval", tuple(input_ids.shape))
+        schedule = self._schedule(stages, 1, lambda outputs, target: cross_entropy(outputs[0], target), "gpipe")
+        if 0 in self.stage_indices:
+            schedule.eval(input_ids, target=labels if self.holds_loss else None, losses=losses)
+        else:
+            schedule.eval(target=labels if self.holds_loss else None, losses=losses)
+        value = float(losses[0]) if losses else None
+        return self.parallel.broadcast_object(value, src=self.loss_rank)
+
+
+def cut_for_rank(model: nn.Module, parallel: Parallel, seq_len: int) -> tuple[list[int], list[list[int]], int]:
+    """Cut `model` in place down to this rank's stage(s); returns (this rank's stage indices, every stage's
+    layers, the number of stages)."""
+    pp, rank = parallel.layout.pp, parallel.pp_rank
+    per_rank = 2 if parallel.config.pp_schedule == "interleaved-1f1b" else 1
+    num_stages = pp * per_rank
+    if num_stages > model.config.num_hidden_layers:
+        raise ValueError(f"dist.pp={pp} with the {parallel.config.pp_schedule} schedule needs {num_stages} stages "
+                         f"but the model has {model.config.num_hidden_layers} layers")
+    cuts = stage_layers(model.config, num_stages, seq_len)
+    indices = [rank + pp * v for v in range(per_rank)]
+    split_for_stages(model, {layer for i in indices for layer in cuts[i]}, first=0 in indices,
+                     last=num_stages - 1 in indices)
+    return indices, cuts, num_stages

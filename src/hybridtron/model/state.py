@@ -1,0 +1,93 @@
+"""The model's recurrent state: what a forward continues from when a sequence is read piece by piece.
+
+An attention layer keeps the keys and values of every position so far (`KVCache`, preallocated to `max_len`
+positions); a Mamba layer keeps a state of constant size (`MambaState`): the raw conv inputs of the last
+`conv_kernel - 1` tokens and the [heads, head_dim, state] SSM state, fp32 by default. `LayerStates` holds one of
+them (or None, for MoE and MLP layers) per layer, and each sequence's length: the number of positions already in
+it. Sequences of one batch may have different lengths.
+
+`HybridLM.forward(ids, cache=states)` and `HybridLM.decode_step(ids, states)` read and advance a `LayerStates` in
+place. What serving adds on top (rewinding after speculative verification, SSM state stored in lower precision,
+memory accounting) is `hybridtron.infer.cache.HybridCache`, a subclass.
+
+Shapes: B batch, H heads, T positions, D head dim, C conv channels, K conv kernel - 1, P Mamba head dim, N state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridtron.config import ATTENTION, MAMBA, ModelConfig
+
+
+def conv_channels(config: ModelConfig) -> int:
+    """Channels of the Mamba conv: x (inner width) and the B and C of every group."""
+    return config.mamba_inner_size + 2 * config.n_groups * config.ssm_state_size
+
+
+@dataclass
+class KVCache:
+    k_BHTD: torch.Tensor  # [batch, kv heads, max_len, head_dim]
+    v_BHTD: torch.Tensor
+
+
+@dataclass
+class MambaState:
+    conv_BCK: torch.Tensor  # [batch, conv channels, kernel - 1]: the raw conv inputs of the last tokens
+    ssm_BHPN: torch.Tensor  # [batch, heads, head_dim, state]
+
+
+def allocate_layers(config: ModelConfig, batch: int, max_len: int, *, dtype=torch.float32, device="cpu",
+                    state_dtype=torch.float32, kinds: tuple[str, ...] | None = None) -> list:
+    """Zero states, one per layer of `kinds` (default: the backbone's layers): KVCache, MambaState or None."""
+    layers = []
+    for kind in kinds or config.layers_block_type:
+        if kind == ATTENTION:
+            shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
+            layers.append(KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                                  torch.zeros(shape, dtype=dtype, device=device)))
+        elif kind == MAMBA:
+            layers.append(MambaState(
+                torch.zeros(batch, conv_channels(config), config.conv_kernel - 1, dtype=dtype, device=device),
+                torch.zeros(batch, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size,
+                            dtype=state_dtype, device=device)))
+        else:
+            layers.append(None)
+    return layers
+
+
+def select_layers(layers: list, rows: slice) -> list:
+    """Views of some rows of every layer's state (writes go through)."""
+    selected = []
+    for layer in layers:
+        if isinstance(layer, KVCache):
+            selected.append(KVCache(layer.k_BHTD[rows], layer.v_BHTD[rows]))
+        elif isinstance(layer, MambaState):
+            selected.append(MambaState(layer.conv_BCK[rows], layer.ssm_BHPN[rows]))
+        else:
+            selected.append(None)
+    return selected
+
+
+@dataclass
+class LayerStates:
+    layers: list  # one KVCache, MambaState or None per layer
+    lengths: torch.Tensor  # [batch] positions already in the states, per sequence
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, batch: int, max_len: int, **kwargs) -> "LayerStates":
+        """Zero states for `batch` sequences of up to `max_len` positions; kwargs as for `allocate_layers`."""
+        device = kwargs.get("device", "cpu")
+        return cls(allocate_layers(config, batch, max_len, **kwargs),
+                   torch.zeros(batch, dtype=torch.long, device=device))
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    def select(self, index: int) -> "LayerStates":
+        """A view of one sequence (writes go through); used to read prompts of different lengths one at a time."""
+        rows = slice(index, index + 1)
+        return LayerStates(select_layers(self.layers, rows), self.lengths[rows])

@@ -1,0 +1,407 @@
+"""Roles of asynchronous RL, connected by bounded queues: the machinery GRPO's asynchronous mode runs on, and that
+MOPD reuses with a teacher-scoring role between rollout and learning.
+
+A role is an object with a `step(item) -> item` method (and, if it holds a policy, `load_weights(version,
+state_dict)`; if it has state a resumed run must restore, `state_dict` / `load_state_dict`). A `RolePipeline` chains
+roles: what the learner submits goes to the first role, each role's output is the next one's input, and the last
+role's output comes back to the learner, first in, first out:
+
+    learner --submit--> [rollout] --queue--> [teacher scoring] --queue--> receive() --> learner
+       \\--send_weights(rollout, version, weights)--^
+
+Every message (an item, new weights, a role's state) enters at the first role and travels down the chain in the
+order the learner sent it, so "weights of version v, then request r" reaches the rollout role in that order, and
+what each request was computed with is fixed by the learner's order of calls, never by timing. That is what makes
+the asynchronous runs reproducible: the staleness bound is a property of the protocol (hybridtron.post.grpo's
+`RolloutBatches` keeps at most `staleness + 1` requests in flight and publishes the weights before each new one),
+not of how fast a process happens to be.
+
+Each output comes back with the `state_dict()` of every role right after it produced it (`Delivery.states`), so a
+checkpoint can restore the roles to exactly the point of the last item the learner holds.
+
+Backends (same semantics, same results for a fixed seed):
+- "inline": the roles live in the learner's process and run when the learner asks for the next output (the
+  synchronous mode; tests).
+- "process": one process per role (torch.multiprocessing, spawn), roles connected by bounded queues.
+- "ray": one Ray actor per role (the optional `rl` extra, `pip install hybridtron[rl]`; `ray` is imported only
+  here, when this backend starts). Ray places actors on any machine of a cluster (`ray start --head` on one,
+  `ray start --address=HEAD:6379` on the others, then `RAY_ADDRESS=HEAD:6379` for the run): `RoleSpec.resources`
+  are the actor's `ray.remote` options (e.g. `{"num_gpus": 1}` or a custom resource naming a node), which is how
+  verl, miles, OpenRLHF and NeMo-RL place their rollout, reference/teacher and learner workers.
+
+A role that raises ends the pipeline: the learner's next `receive()` raises `RoleError` with the role's name and
+traceback; a role process that dies is reported the same way. `close()` stops every role.
+
+Writing a role: a class importable by its module path (the "process" and "ray" backends build it in another
+process from a `RoleSpec(factory, kwargs)`; the kwargs must pickle), constructed with everything it needs (a model
+directory, a config), whose `step` takes and returns picklable items (CPU tensors, lists, dataclasses).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue as queue_module
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+BACKENDS = ("inline", "process", "ray")
+ITEM, WEIGHTS, STATE, STOP, ERROR = "item", "weights", "state", "stop", "error"
+POLL_S = 0.5  # how often a waiting learner checks that the role processes are alive
+
+
+class RoleError(RuntimeError):
+    """A role raised (or its process died); the message names the role and carries its traceback."""
+
+
+class Role:
+    """Base class of a pipeline stage. Override `step`; the rest are optional."""
+
+    name = "role"
+
+    def step(self, item: Any) -> Any:
+        raise NotImplementedError(f"role {self.name!r} has no step()")
+
+    def load_weights(self, version: int, state_dict: dict) -> None:
+        raise ValueError(f"role {self.name!r} holds no policy: it takes no weights")
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (a resumed run)."""
+
+    def close(self) -> None:
+        """Release what the role holds (child processes, files)."""
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """How to build a role in whichever process runs it: `factory(**kwargs)` (a class or function importable by
+    module path, so that spawn and Ray can find it). `name` keys the role's weights and state (default: the
+    factory's `name`); `resources`: Ray actor options (`num_cpus`, `num_gpus`, `resources`, ...), ignored by the
+    other backends."""
+
+    factory: Callable[..., Role]
+    kwargs: dict = field(default_factory=dict)
+    name: str | None = None
+    resources: dict = field(default_factory=dict)
+
+    @property
+    def role_name(self) -> str:
+        return self.name or getattr(self.factory, "name", None) or self.factory.__name__
+
+    def build(self) -> Role:
+        role = self.factory(**self.kwargs)
+        if not callable(getattr(role, "step", None)):
+            raise TypeError(f"{self.factory!r} built {type(role).__name__}, which has no step() method")
+        return role
+
+
+@dataclass
+class Message:
+    kind: str  # ITEM, WEIGHTS, STATE, STOP, ERROR
+    payload: Any = None
+    target: str | None = None  # the role a WEIGHTS or STATE message is for
+    states: dict = field(default_factory=dict)  # ITEM: each role's state_dict() after it stepped this item
+
+
+@dataclass
+class Delivery:
+    """One output of the pipeline: the last role's result for one submitted item, and the state of every role
+    right after it (role name -> state_dict)."""
+
+    item: Any
+    states: dict[str, dict]
+
+
+# ------------------------------------------------------------------------------------------- one stage
+class Stage:
+    """A role and the message handling every backend shares: step items, apply what is addressed to the role,
+    pass the rest on. `handle` returns the message for the next stage (or the learner), or None."""
+
+    def __init__(self, spec: RoleSpec):
+        self.name = spec.role_name
+        self.role = spec.build()
+
+    def handle(self, message: Message) -> Message | None:
+        if message.kind == ITEM:
+            try:
+                output = self.role.step(message.payload)
+                states = {**message.states, self.name: self.role.state_dict()}
+            except Exception:  # the learner re-raises it as a RoleError naming this role
+                return Message(ERROR, (self.name, traceback.format_exc()))
+            return Message(ITEM, output, states=states)
+        if message.kind in (WEIGHTS, STATE) and message.target == self.name:
+            try:
+                if message.kind == WEIGHTS:
+                    version, state_dict = message.payload
+                    self.role.load_weights(version, state_dict)
+                else:
+                    self.role.load_state_dict(message.payload)
+            except Exception:
+                return Message(ERROR, (self.name, traceback.format_exc()))
+            return None
+        return message  # for a later role, STOP, or an earlier role's ERROR
+
+    def close(self) -> None:
+        self.role.close()
+
+
+def _serve_stage(spec: RoleSpec, inbox, outbox) -> None:
+    """The loop of a role process: handle messages in order until STOP (passed on) or an error (passed on, then
+    exit)."""
+    try:
+        stage = Stage(spec)
+    except Exception:
+        outbox.put(Message(ERROR, (spec.role_name, traceback.format_exc())))
+        return
+    try:
+        while True:
+            message = inbox.get()
+            out = stage.handle(message)
+            if out is not None:
+                outbox.put(out)
+            if message.kind in (STOP, ERROR) or (out is not None and out.kind == ERROR):
+                return
+    finally:
+        stage.close()
+
+
+class _RayStage:
+    """The Ray actor around a Stage (wrapped by `ray.remote` when the ray backend starts)."""
+
+    def __init__(self, spec: RoleSpec):
+        self.stage = Stage(spec)
+
+    def handle(self, message: Message) -> Message | None:
+        if message is None:  # an earlier stage consumed the message
+            return None
+        return self.stage.handle(message)
+
+    def close(self) -> None:
+        self.stage.close()
+
+
+# ---------------------------------------------------------------------------------------------- the chain
+class RolePipeline:
+    """Roles chained in the order of `specs` (see the module docstring). `capacity` bounds each queue between
+    roles (messages, items and control alike); the learner's own protocol bounds the items in flight.
+    `timeout_s`: the longest `receive` waits for an output before it gives up with a RoleError."""
+
+    def __init__(self, specs: list[RoleSpec], backend: str = "inline", *, capacity: int = 4,
+                 timeout_s: float = 3600.0):
+        if backend not in BACKENDS:
+            raise ValueError(f"role backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+        if not specs:
+            raise ValueError("a role pipeline needs at least one role")
+        names = [spec.role_name for spec in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"role names must be unique, got {names}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.specs, self.backend, self.names = list(specs), backend, names
+        self.capacity, self.timeout_s = capacity, timeout_s
+        self.submitted = self.received = 0
+        self._started = False
+
+    @property
+    def in_flight(self) -> int:
+        """Items submitted and not yet received."""
+        return self.submitted - self.received
+
+    # ------------------------------------------------------------------------------------------- start, stop
+    def start(self) -> "RolePipeline":
+        assert not self._started, "the pipeline is running already"
+        getattr(self, f"_start_{self.backend}")()
+        self._started = True
+        return self
+
+    def _start_inline(self) -> None:
+        self._stages = [Stage(spec) for spec in self.specs]
+        self._waiting: collections.deque[Message] = collections.deque()  # sent, not yet handled
+        self._outputs: collections.deque[Message] = collections.deque()
+
+    def _start_process(self) -> None:
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        self._queues = [context.Queue(maxsize=self.capacity) for _ in range(len(self.specs) + 1)]
+        self._processes = []
+        for index, spec in enumerate(self.specs):
+            process = context.Process(target=_serve_stage, args=(spec, self._queues[index], self._queues[index + 1]),
+                                      name=f"hybridtron-role-{spec.role_name}", daemon=True)
+            process.start()
+            self._processes.append(process)
+
+    def _start_ray(self) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("the ray role backend needs Ray: pip install 'hybridtron[rl]' (or ray>=2.9), or use "
+                             "the process backend") from None
+        self._ray = ray
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:  # a local cluster, or the one RAY_ADDRESS names
+            # the workers import roles (and environments) by module path as spawned processes do: from the
+            # learner's sys.path (on other machines, what is not there is skipped by Python)
+            path = os.pathsep.join(entry for entry in sys.path if entry)
+            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": path}})
+        actor_class = ray.remote(_RayStage)
+        self._actors = [actor_class.options(**{"num_cpus": 1, **spec.resources}).remote(spec)
+                        for spec in self.specs]
+        self._ray_outputs: collections.deque = collections.deque()  # the last actor's ObjectRefs, in order
+
+    def close(self) -> None:
+        """Stop every role (an in-flight item is abandoned)."""
+        if not self._started:
+            return
+        self._started = False
+        getattr(self, f"_close_{self.backend}")()
+
+    def _close_inline(self) -> None:
+        for stage in self._stages:
+            stage.close()
+
+    def _close_process(self) -> None:
+        try:
+            self._queues[0].put(Message(STOP), timeout=1.0)
+        except queue_module.Full:
+            pass
+        deadline = time.monotonic() + 5.0
+        for process in self._processes:
+            process.join(timeout=max(deadline - time.monotonic(), 0.1))
+            if process.is_alive():  # busy with an item nobody will read
+                process.terminate()
+                process.join(timeout=5.0)
+        for q in self._queues:
+            q.cancel_join_thread()
+            q.close()
+
+    def _close_ray(self) -> None:
+        ray = self._ray
+        for actor in self._actors:
+            try:
+                ray.get(actor.close.remote(), timeout=10)
+            except Exception:  # closing is best effort: the actor is killed next
+                pass
+            ray.kill(actor)
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "RolePipeline":
+        return self.start() if not self._started else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------- messages
+    def submit(self, item: Any) -> None:
+        """Send an item to the first role; its output (after the last role) comes back from `receive`."""
+        self._send(Message(ITEM, item))
+        self.submitted += 1
+
+    def send_weights(self, role: str, version: int, state_dict: dict) -> None:
+        """Hand a policy's weights to `role` (its `load_weights(version, state_dict)`), ordered with the items: the
+        items submitted after this call are computed with these weights. The tensors are copied at once, so the
+        learner may go on updating its own while the message waits its turn."""
+        self._check_role(role)
+        state_dict = {name: value.detach().clone() for name, value in state_dict.items()}
+        self._send(Message(WEIGHTS, (version, state_dict), target=role))
+
+    def send_state(self, role: str, state: dict) -> None:
+        """Restore `role` to a `state_dict()` it returned (resuming a run), before the items submitted next."""
+        self._check_role(role)
+        self._send(Message(STATE, state, target=role))
+
+    def receive(self) -> Delivery:
+        """The output of the oldest item in flight, waiting for it; RoleError if a role failed."""
+        assert self._started, "start() the pipeline first"
+        if self.in_flight < 1:
+            raise RuntimeError("receive(): no item in flight (submit one first)")
+        message = getattr(self, f"_receive_{self.backend}")()
+        if message.kind == ERROR:
+            role, text = message.payload
+            self.close()
+            raise RoleError(f"role {role!r} failed:\n{text}")
+        assert message.kind == ITEM, f"unexpected {message.kind} message from the last role"
+        self.received += 1
+        return Delivery(message.payload, message.states)
+
+    def _check_role(self, role: str) -> None:
+        if role not in self.names:
+            raise ValueError(f"no role named {role!r} in this pipeline (roles: {', '.join(self.names)})")
+
+    def _send(self, message: Message) -> None:
+        assert self._started, "start() the pipeline first"
+        getattr(self, f"_send_{self.backend}")(message)
+
+    def _send_inline(self, message: Message) -> None:
+        self._waiting.append(message)
+
+    def _receive_inline(self) -> Message:
+        while not self._outputs:  # handle what was sent, in order, until an output comes out of the last role
+            message = self._waiting.popleft()
+            for stage in self._stages:
+                message = stage.handle(message)
+                if message is None or message.kind == ERROR:
+                    break
+            if message is not None:
+                self._outputs.append(message)
+        return self._outputs.popleft()
+
+    def _send_process(self, message: Message) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                self._queues[0].put(message, timeout=POLL_S)
+                return
+            except queue_module.Full:
+                self._check_processes()
+                if time.monotonic() > deadline:
+                    raise RoleError(f"role {self.names[0]!r} took no message for {self.timeout_s:.0f}s") from None
+
+    def _receive_process(self) -> Message:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._queues[-1].get(timeout=POLL_S)
+            except queue_module.Empty:
+                self._check_processes()
+                if time.monotonic() > deadline:
+                    raise RoleError(f"no output from the roles for {self.timeout_s:.0f}s "
+                                    f"(roles: {', '.join(self.names)})") from None
+
+    def _check_processes(self) -> None:
+        for name, process in zip(self.names, self._processes):
+            if not process.is_alive():
+                code = process.exitcode
+                self.close()
+                raise RoleError(f"role {name!r} died (its process exited with code {code}) before answering")
+
+    def _send_ray(self, message: Message) -> None:
+        # Ray runs the calls one caller makes on one actor in the order it made them, so chaining each message
+        # through every actor keeps the pipeline's order, as the queues of the process backend do. Control
+        # messages come back as None (or an ERROR), read in order before the next item's output.
+        ref = message
+        for actor in self._actors:
+            ref = actor.handle.remote(ref)
+        self._ray_outputs.append(ref)
+
+    def _receive_ray(self) -> Message:
+        ray = self._ray
+        while True:
+            ref = self._ray_outputs.popleft()
+            try:
+                message = ray.get(ref, timeout=self.timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RoleError(f"no output from the roles for {self.timeout_s:.0f}s") from None
+            except ray.exceptions.RayActorError as exc:
+                self.close()
+                raise RoleError(f"a role actor died before answering: {exc}") from None
+            if message is not None:  # an item's output, or an error; None: a control message was applied
+                return message

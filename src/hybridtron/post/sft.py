@@ -1,0 +1,399 @@
+"""`hybridtron sft`: supervised fine-tuning of a pretrained model on conversations, loss on the assistant's tokens.
+
+The recipe (Nemotron 3 Ultra's first post-training stage, at any scale):
+
+- Data: conversations from a JSONL file or a directory of them (one `{"messages": [...]}` a line; the chat format
+  is hybridtron.data.chat), or `env:NAME`, the worked solutions of a verifiable environment
+  (`hybridtron.post.envs`: `env.sft_examples(sft.env_examples, sft.seed)` from its levels `sft.env_levels`).
+  They are rendered in the chat format with the tokenizer and template of `--model`, masked, packed into rows of
+  `sft.seq_len` tokens and split into training and held-out conversations by hybridtron.data.sft.
+- Loss on the assistant's answers, tool calls and the `<|im_end|>` that closes each of its turns; the reasoning
+  inside `<think> ... </think>` is masked (`sft.train_on_thinking = false`, as the report trained) unless
+  `--set sft.train_on_thinking=true`. Data whose reasoning the model cannot write yet needs the switch: masked, the
+  traces are context it is never taught to produce (env:math on the quickstart model: 0% masked, 14% trained;
+  docs/LOG.md). Aggregation: token-mean over the whole optimizer step, normalised by the step's count of trained
+  tokens summed over its micro-batches, so that `train.grad_accum` does not change the gradient (`sft_loss`).
+- MTP stays trained: loss = CE + mtp_loss_weight x mean over the depths of their token-mean CE, the depth-k
+  targets being the same masked labels k tokens on (`hybridtron.model.lm.mtp_targets`: only where the whole chain
+  of labels is trained). A drafter left behind while the backbone learns a new format would stop agreeing with it
+  (speculative decoding in the GRPO rollouts and in serving needs it); `--set train.mtp_loss_weight=0` turns it
+  off (the MTP block still runs, for its routers' balance).
+- The same trainer as pretraining (hybridtron.train.loop), its stability monitor, DCP checkpoints that resume bit
+  for bit, metrics.jsonl and progress bar; validation is the held-out conversations' masked CE (`HeldOutLoss`), at
+  step 0, every `train.val_every` steps and at the end.
+- [model] is the checkpoint's (its config.json); SFT does not change it. [train] has SFT's own defaults
+  (`SFT_TRAIN`: 800 steps, peak LR 2e-3 after a 10-step warmup, the last 20% decaying), [sft] rows of 256 tokens.
+
+The run directory (the rules of every training command: hybridtron.train.run):
+
+    run_config.json   --model, --data and the resolved [model], [sft], [train], [monitor]
+    sft_data.json     conversations, trained tokens, truncation and padding (hybridtron.data.sft.SFTStats)
+    metrics.jsonl     one line per step: loss, lm_loss, mtp_loss_<d>, trained_tokens, val_loss, ...
+    events.jsonl      the stability monitor's detections and actions
+    checkpoints/      DCP checkpoints
+    hf/               the fine-tuned model: config.json, safetensors, tokenizer files with the chat template
+
+This module's top-level imports stay light (the CLI builds its parser from it); torch loads when a run starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hybridtron.config import ModelConfig
+
+if TYPE_CHECKING:  # imported with torch, when a run starts
+    from hybridtron.train.config import TrainConfig
+    from hybridtron.train.monitor.config import MonitorConfig
+
+ENV_PREFIX = "env:"
+# [train] defaults of SFT, over TrainConfig's (pretraining's), measured on the quickstart model (3.7M parameters;
+# docs/LOG.md, 2026-12-01): a short warmup, two thirds of pretraining's peak LR, the last 20% of the steps decaying
+# (WSD). At lr 3e-4 the model learnt the format in 300 steps but still ignored the question; 2e-3 learnt to copy it.
+# Every other field (AdamW betas, weight decay 0.1, clipping at 1.0, fp32) is pretraining's. A model of billions of
+# parameters wants an LR of 1e-5 to 1e-4.
+SFT_TRAIN = dict(steps=800, lr=2e-3, warmup_steps=10, decay_fraction=0.2, val_every=50, checkpoint_every=100)
+MODEL_FIXED = "the model is fixed by --model (its config.json); SFT trains the weights, not the architecture"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """The `[sft]` section: how conversations become batches (hybridtron.data.sft.SFTDataConfig's fields) and
+    where `--data env:NAME` draws them from."""
+
+    train_on_thinking: bool = False  # loss on <think> ... </think> too; the report masked the reasoning
+    reasoning_history: str = "last_turn"  # reasoning kept in earlier assistant turns: "last_turn" or "all"
+    seq_len: int = 256  # tokens per packed row (3 math conversations); a longer conversation is truncated, counted
+    batch_size: int = 8  # rows per micro-batch
+    val_fraction: float = 0.05  # share of conversations held out (by a hash of their messages)
+    val_batches: int | None = 8  # held-out batches evaluated; none = all
+    pack_window: int = 64  # open rows that first-fit packing searches
+    seed: int = 0  # epoch order, and the draw of env:NAME examples
+    env_examples: int = 5000  # env:NAME: conversations drawn (training split of the environment)
+    env_levels: tuple[int, ...] = ()  # env:NAME: difficulty levels; empty = the environment's default (all)
+
+    def data_config(self):
+        from hybridtron.data.sft import SFTDataConfig
+
+        return SFTDataConfig(**{f.name: getattr(self, f.name) for f in fields(SFTDataConfig)})
+
+    def validate(self) -> None:
+        self.data_config()  # SFTDataConfig checks its fields, naming them sft.<field>
+        if self.env_examples < 1:
+            raise ValueError(f"sft.env_examples: expected a positive integer, got {self.env_examples}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTRunConfig:
+    """What `hybridtron sft` runs: the base model and data as given on the command line, and the sections."""
+
+    base_model: str  # --model: an HF checkpoint directory with tokenizer files
+    data: str  # --data: FILE.jsonl, a directory of them, or env:NAME
+    model: ModelConfig  # the checkpoint's config.json (read-only)
+    sft: SFTConfig
+    train: TrainConfig
+    monitor: MonitorConfig
+
+    def sections(self) -> dict:
+        return {"sft": self.sft, "train": self.train, "monitor": self.monitor}
+
+    def to_dict(self) -> dict:
+        from hybridtron.train.config import _plain
+
+        return {"base_model": self.base_model, "data": self.data, "model": self.model.to_hf(),
+                **{name: _plain(section) for name, section in self.sections().items()}}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    def to_toml(self) -> str:
+        """[sft], [train] and [monitor] as TOML that `--config` reads back; [model] is the checkpoint's."""
+        from hybridtron.train.run import sections_toml
+
+        return (f"# hybridtron sft --model {self.base_model} --data {self.data}\n"
+                f"# [model] is {self.base_model}/config.json, fixed by --model\n\n"
+                + sections_toml(self.sections()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SFTRunConfig":
+        from hybridtron.train.config import TrainConfig, _build
+        from hybridtron.train.monitor.config import MonitorConfig
+
+        try:
+            raw = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from None
+        missing = [key for key in ("base_model", "data", "model", "sft", "train") if key not in raw]
+        if missing:
+            raise ValueError(f"{path}: not the run config of an SFT run (no {', '.join(missing)})")
+        return cls(base_model=raw["base_model"], data=raw["data"], model=ModelConfig.from_hf(raw["model"]),
+                   sft=_build(SFTConfig, raw["sft"], "sft"), train=_build(TrainConfig, raw["train"], "train"),
+                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"))
+
+
+def default_sections() -> dict:
+    from hybridtron.train.config import TrainConfig
+    from hybridtron.train.monitor.config import MonitorConfig
+
+    return {"sft": SFTConfig(), "train": TrainConfig(**SFT_TRAIN), "monitor": MonitorConfig()}
+
+
+def _same_source(given: str, kept: str) -> bool:
+    if given.startswith(ENV_PREFIX) or kept.startswith(ENV_PREFIX):
+        return given == kept
+    return Path(given).resolve() == Path(kept).resolve()
+
+
+def resolve_config(args) -> SFTRunConfig:
+    """defaults (or, with --resume, the run's saved config; or a run's run_config.json as --config) <- the TOML
+    file <- --set overrides <- --steps. [model] is read from --model and cannot be set."""
+    from hybridtron.train.run import merge_sections, saved_config_file, step_overrides
+
+    toml_path, base = args.config, None
+    if args.resume:
+        if toml_path is not None and Path(toml_path).suffix == ".json":
+            raise ValueError("--resume continues with the run's own run_config.json; --config then takes a TOML "
+                             "file of changes")
+        base = SFTRunConfig.load(saved_config_file(args))
+        for flag, given, kept in (("--model", args.model, base.base_model), ("--data", args.data, base.data)):
+            if given is not None and not _same_source(given, kept):
+                raise ValueError(f"--resume: {flag} {given} is not the run's ({kept}, in {args.out}/run_config.json); "
+                                 f"resume with the run's {flag}, or start a new run in another --out")
+        base_model, data = base.base_model, base.data
+    else:
+        for flag, value in (("--model", args.model), ("--data", args.data)):
+            if not value:
+                raise ValueError(f"{flag} is required (see hybridtron sft --help)")
+        base_model, data = args.model, args.data
+        if toml_path is not None and Path(toml_path).suffix == ".json":  # a run's own run_config.json
+            if not Path(toml_path).is_file():
+                raise FileNotFoundError(f"{toml_path}: config file not found")
+            base, toml_path = SFTRunConfig.load(toml_path), None
+    model = ModelConfig.from_hf(base_model)
+    if args.resume and model != base.model:
+        raise ValueError(f"--resume: {base_model}/config.json changed since the run started; the run fine-tunes the "
+                         f"model it began with (see {args.out}/run_config.json)")
+    sections = merge_sections(base.sections() if base is not None else default_sections(), toml_path,
+                              step_overrides(args), fixed={"model": MODEL_FIXED})
+    return SFTRunConfig(base_model=base_model, data=data, model=model, **sections)
+
+
+# ------------------------------------------------------------------------------------------------- loss
+def sft_loss(logits_BTV, labels_BT, global_count: int):
+    """The step's token-mean cross entropy, this micro-batch's share of it:
+
+        sum over the labelled tokens t of -log softmax(logits_t)[labels_t]  /  global_count
+
+    `labels_BT` are already shifted and masked (IGNORE_INDEX where no token is trained: prompts, the template,
+    masked reasoning, padding); `global_count` is the number of labelled tokens in the WHOLE optimizer step (all
+    its micro-batches), so summing the shares of the micro-batches gives the step's token mean whatever the split.
+
+    Departs from the usual SFT loss (the InstructGPT/Tulu form, a mean over each micro-batch's own tokens) only in
+    that divisor: dividing by each micro-batch's count weighs the tokens of sparse micro-batches more and makes the
+    gradient depend on grad_accum (hybridtron.post.losses.token_mean says the same for GRPO). Every trained token
+    weighs the same, so a long answer counts more than a short one, as in Tulu 3's sum-then-normalise."""
+    from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy
+
+    count = int((labels_BT != IGNORE_INDEX).sum())
+    if count == 0:  # nothing trained in this micro-batch: a zero that still has a gradient (of zeros)
+        return logits_BTV.sum() * 0.0
+    if count > global_count:
+        raise ValueError(f"sft_loss: this micro-batch has {count} labelled tokens but the step's count is "
+                         f"{global_count}; pass the count of the whole step")
+    return cross_entropy(logits_BTV.flatten(0, 1), labels_BT.flatten(), IGNORE_INDEX) * (count / global_count)
+
+
+class SFTObjective:
+    """Masked next-token CE plus mtp_loss_weight (the model config's) x the mean of the MTP depths' masked CE,
+    each a token mean over the whole step (`sft_loss`; see the module docstring).
+
+    `data_sum` (data parallelism: sums a tensor over the data-parallel ranks in place): the step's counts are
+    summed over the ranks too, so each rank's loss is its share of the global batch's token mean.
+
+    Metrics are this process's shares of the step's values, scaled by the number of micro-batches (the trainer
+    averages a metric over the micro-batches, then sums it over the data-parallel ranks): loss, lm_loss,
+    mtp_loss_<d>, trained_tokens (labelled tokens in the step)."""
+
+    headline = ("lm_loss", "ce")
+
+    def __init__(self, mtp_depths: int, data_sum=None):
+        self.mtp_depths, self.data_sum = mtp_depths, data_sum
+        self.counts: list[float] = []  # labelled tokens in the step: next token, then MTP depth 1, 2, ...
+        self.micro_batches = 1
+
+    def begin_step(self, micro_batches):
+        import torch
+
+        from hybridtron.train.objectives import target_counts
+
+        counts = torch.stack([target_counts(labels_BT, self.mtp_depths) for _, labels_BT in micro_batches]).sum(0)
+        if self.data_sum is not None:  # one all-reduce a step
+            counts = self.data_sum(counts.double())
+        self.counts = counts.tolist()
+        self.micro_batches = len(micro_batches)
+
+    def __call__(self, model, micro_batch):
+        from hybridtron.train.objectives import router_counts
+
+        input_ids, labels = micro_batch
+        out = model(input_ids)  # logits, the MTP depths' logits, expert counts; the loss is ours
+        result = self.loss_from_outputs(model, (out.logits, *out.mtp_logits), labels)
+        result.tokens, result.expert_counts = input_ids.numel(), router_counts(model, out)
+        return result
+
+    def loss_from_outputs(self, model, outputs, labels_BT):
+        """The loss of one micro-batch from its logits, `outputs` = (logits, *each MTP depth's logits) (also what
+        a pipeline's last stage calls; the expert counts are then the pipeline's to collect)."""
+        import torch
+
+        from hybridtron.model.lm import mtp_targets
+        from hybridtron.ops.cross_entropy import IGNORE_INDEX
+        from hybridtron.train.objectives import ObjectiveOutput
+
+        logits, *mtp_logits = outputs
+        lm_loss = sft_loss(logits, labels_BT, self.counts[0])
+        mtp_losses = [sft_loss(depth_logits, mtp_targets(labels_BT, depth), self.counts[depth])
+                      for depth, depth_logits in enumerate(mtp_logits, start=1)]
+        loss = lm_loss
+        if mtp_losses:
+            loss = loss + model.config.mtp_loss_weight * torch.stack(mtp_losses).mean()
+        scale = self.micro_batches
+        trained = (labels_BT != IGNORE_INDEX).sum().double()
+        metrics = {"loss": loss.detach() * scale, "lm_loss": lm_loss.detach() * scale,
+                   **{f"mtp_loss_{d}": m.detach() * scale for d, m in enumerate(mtp_losses, start=1)},
+                   "trained_tokens": trained * scale}
+        return ObjectiveOutput(loss, metrics, labels_BT.numel())
+
+
+class HeldOutLoss:
+    """An evaluator (hybridtron.train.evaluate): the masked next-token CE of the held-out conversations, summed
+    over their trained tokens and divided by their count (not a mean of batch means: batches hold different
+    numbers of assistant tokens). The MTP depths apart, as pretraining's `ValidationLoss`."""
+
+    key = "val_loss"
+
+    def __init__(self, batches, every: int):
+        self.batches, self.every = batches, every
+        self.history: list[tuple[int, float]] = []
+
+    def due(self, step: int, total_steps: int) -> bool:
+        return step % self.every == 0 or step == total_steps
+
+    def evaluate(self, trainer) -> dict[str, float]:
+        import torch
+
+        from hybridtron.ops.cross_entropy import IGNORE_INDEX
+
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for input_ids, labels in self.batches:
+                n = int((labels != IGNORE_INDEX).sum())
+                with trainer.autocast():
+                    total += float(model(input_ids, labels, mtp=False).lm_loss) * n
+                count += n
+        model.train(was_training)
+        value = total / count
+        self.history.append((trainer.step, value))
+        return {self.key: value}
+
+    def state_dict(self):
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, state):
+        self.history = [tuple(x) for x in state["history"]]
+
+
+# ------------------------------------------------------------------------------------------------- data
+def load_conversations(source: str, config: SFTConfig) -> list[dict]:
+    """The conversations of `--data`: a JSONL file, a directory of them, or `env:NAME` (its SFT examples)."""
+    from hybridtron.data.sft import conversations_from
+
+    if not source.startswith(ENV_PREFIX):
+        return conversations_from(source)
+    from hybridtron.post.envs import get_env
+
+    name = source[len(ENV_PREFIX):]
+    options = {"levels": config.env_levels} if config.env_levels else {}
+    try:
+        env = get_env(name, **options)
+    except ValueError as exc:
+        raise ValueError(f"--data {source}: {exc}") from None
+    except TypeError as exc:  # the environment's constructor takes no levels
+        raise ValueError(f"--data {source}: sft.env_levels={list(config.env_levels)}, but environment {name!r} "
+                         f"takes no levels ({exc})") from None
+    with env:
+        examples = env.sft_examples(config.env_examples, config.seed)
+    return conversations_from(examples)
+
+
+# ------------------------------------------------------------------------------------------------- the run
+def build_trainer(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, stream=sys.stderr):
+    """The SFT run of `config` in `out`: the model of --model with its chat tokenizer, the data, the trainer.
+    Returns (trainer, tokenizer)."""
+    import torch
+
+    from hybridtron.checkpoint import load_pretrained
+    from hybridtron.data.chat import load_chat_tokenizer
+    from hybridtron.data.sft import build_sft_data
+    from hybridtron.train.run import assemble_trainer, prepare_process
+
+    train, sft = config.train, config.sft
+    model_config = config.model
+    if train.mtp_loss_weight is not None:
+        model_config = model_config.replace(mtp_loss_weight=train.mtp_loss_weight)
+    tokenizer = load_chat_tokenizer(config.base_model, vocab_size=model_config.vocab_size)
+    prepare_process(train, model_config, sft.seq_len * sft.batch_size, stream)
+
+    data = build_sft_data(load_conversations(config.data, sft), tokenizer, sft.data_config())
+    (out / "sft_data.json").write_text(json.dumps(data.stats.to_dict(), indent=2))
+    if not quiet:
+        print(data.stats.format(), file=stream)
+
+    model = load_pretrained(config.base_model, config=model_config, dtype=torch.float32)
+    objective = SFTObjective(model_config.mtp_num_depths if model_config.has_mtp else 0)
+    evaluators = [HeldOutLoss(data.val_batches, train.val_every)] if data.val_batches else []
+    trainer = assemble_trainer(model, objective, data.train_loader, evaluators, train=train,
+                               monitor_config=config.monitor, out=out, checkpoints=checkpoints, quiet=quiet,
+                               stream=stream)
+    return trainer, tokenizer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hybridtron.train.run import add_run_arguments
+
+    parser.add_argument("--model", help="the model to fine-tune: an HF checkpoint directory with its tokenizer files "
+                                        "(e.g. runs/quickstart/hf; required unless --resume)")
+    parser.add_argument("--data", help="conversations: a .jsonl file ({\"messages\": [...]} a line), a directory of "
+                                       ".jsonl files, or env:NAME for an environment's worked solutions (env:math, "
+                                       "env:code; required unless --resume)")
+    add_run_arguments(parser, sections="[sft], [train] and [monitor]", default_steps=SFT_TRAIN["steps"],
+                      set_example="--set sft.train_on_thinking=true --set train.lr=1e-4",
+                      config_default="SFT's defaults", quiet_help="no data summary and no progress bar")
+
+
+def run(args) -> int:
+    from hybridtron.data.chat import save_tokenizer_files
+    from hybridtron.train.run import export_model, print_summary, train_in_run_dir
+
+    config = resolve_config(args)
+    if args.print_config:
+        print(config.to_toml(), end="")
+        return 0
+    result = train_in_run_dir(args, config, SFTRunConfig.load, lambda out, checkpoints: build_trainer(
+        config, out, checkpoints, quiet=args.quiet))
+    if result is None:  # the run in --out was already complete
+        return 0
+    trainer, tokenizer = result
+    out = Path(args.out)
+    if export_model(trainer, out / "hf"):
+        save_tokenizer_files(tokenizer, out / "hf", model_max_length=config.model.max_position_embeddings)
+        print_summary(trainer, out, out / "hf")
+    return 0

@@ -1,0 +1,126 @@
+"""Train a small hybrid model for a few steps under parallel layouts, on every rank of one torchrun job.
+
+    torchrun --nproc-per-node N tests/dist/layout_worker.py OUT.json LAYOUT [LAYOUT ...]
+
+LAYOUT is `dp_shard=2,ep=2`-style ([dist] fields; unnamed ones default, dp_shard takes the rest; also
+`recompute=full|selective` and `compile=BACKEND` for the blocks). Each layout
+builds its own meshes over the one process group, trains `train_steps` steps from the same initialization on
+the same global batches, and global rank 0 writes, per layout, every step's metrics, gradient norm and globally
+reduced expert counts to OUT.json. `train(None, ...)` is the single-process reference the tests compare against.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's small config
+
+from conftest import _small_config  # noqa: E402
+
+from hybridtron.dist.config import DistConfig  # noqa: E402
+from hybridtron.dist.mesh import init_parallel  # noqa: E402
+from hybridtron.dist.parallelize import parallelize  # noqa: E402
+from hybridtron.dist.step import DataParallelBatches  # noqa: E402
+from hybridtron.model.lm import HybridLM  # noqa: E402
+from hybridtron.ops.cross_entropy import IGNORE_INDEX  # noqa: E402
+from hybridtron.train.hooks import Hook  # noqa: E402
+from hybridtron.train.loop import Trainer  # noqa: E402
+from hybridtron.train.config import TrainConfig  # noqa: E402
+from hybridtron.train.objectives import PretrainObjective  # noqa: E402
+
+BATCH, SEQ, GRAD_ACCUM, STEPS = 4, 32, 2, 10
+
+
+def model_config():
+    return _small_config()
+
+
+class SyntheticBatches:
+    """Deterministic global micro-batches with document boundaries (labels -100 at ~6% of positions, so the ranks'
+    valid-token counts differ and the loss weighting is exercised); its position is the step count."""
+
+    def __init__(self, vocab: int, seed: int = 1):
+        self.vocab, self.seed, self.steps = vocab, seed, 0
+
+    def next_step(self):
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + self.steps)
+        self.steps += 1
+        batches = []
+        for _ in range(GRAD_ACCUM):
+            ids = torch.randint(3, self.vocab, (BATCH, SEQ), generator=generator)
+            labels = torch.roll(ids, -1, dims=1)
+            labels[torch.rand(BATCH, SEQ, generator=generator) < 0.06] = IGNORE_INDEX
+            labels[:, -1] = IGNORE_INDEX
+            batches.append((ids, labels))
+        return batches
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.steps = state["steps"]
+
+
+class Record(Hook):
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, trainer, stats, decision):
+        counts = dict(zip(trainer.balance.names, trainer.balance.step_counts.tolist()))
+        if trainer.parallel is not None:  # under PP each stage counted its own routers
+            counts = trainer.parallel.merge_over_stages(counts)
+        self.steps.append({"losses": stats.losses, "grad_norm": stats.grad_norm, "tokens": stats.tokens,
+                           "group_grad_norms": stats.group_grad_norms, "expert_counts": counts,
+                           "signals": {k: v for k, v in stats.signals.items() if k.startswith("ep_dropped/")}})
+
+
+def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_backend: str | None = None) -> list[dict]:
+    """Train `steps` steps from the seed-0 initialization; the per-step records (same on every rank)."""
+    torch.manual_seed(0)
+    config = model_config()
+    model = parallelize(HybridLM(config), parallel, recompute=recompute, compile=compile_backend is not None,
+                        compile_backend=compile_backend or "inductor")
+    batches = SyntheticBatches(config.vocab_size)
+    objective = PretrainObjective()
+    if parallel is not None:
+        batches = DataParallelBatches(batches, parallel)
+        objective = PretrainObjective(parallel.sum_over_data, config.mtp_num_depths)
+    train_config = TrainConfig(steps=steps, grad_accum=GRAD_ACCUM, lr=3e-3, warmup_steps=2, grad_clip=1.0)
+    record = Record()
+    Trainer(model, objective, batches, train_config, None, hooks=[record], parallel=parallel).train()
+    return record.steps
+
+
+TRAIN_OPTIONS = ("recompute", "compile")  # not [dist] fields: how the blocks run (compile=BACKEND)
+
+
+def parse_layout(text: str) -> tuple[DistConfig, dict]:
+    values, options = {}, {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        if key in TRAIN_OPTIONS:
+            options[key] = value
+        else:
+            values[key] = value if key == "pp_schedule" else (float(value) if "." in value else int(value))
+    return DistConfig(**values), options
+
+
+def main(out: str, layouts: list[str]) -> None:
+    torch.set_num_threads(1)
+    results = {}
+    for text in layouts:
+        config, options = parse_layout(text)
+        parallel = init_parallel(config, model_config(), batch_size=BATCH, grad_accum=GRAD_ACCUM, seq_len=SEQ)
+        results[text] = train(parallel, recompute=options.get("recompute", "none"),
+                              compile_backend=options.get("compile"))
+    if parallel.is_main:
+        Path(out).write_text(json.dumps(results))
+    parallel.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,81 @@
+"""A run's `[dist]` layout is checked with the planner's rules before any process group exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridtron.cli import main as cli_main
+from hybridtron.dist.config import DistConfig
+from hybridtron.dist.mesh import check_run_layout, init_parallel
+from hybridtron.train.config import build_run_config
+
+
+def check(config, model, world, batch_size=4, grad_accum=2, seq_len=32):
+    return check_run_layout(config, model, world, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
+
+
+def test_dp_shard_takes_the_rest_of_the_world(small_config):
+    layout = check(DistConfig(tp=2, ep=2), small_config(), 4)
+    assert (layout.dp_shard, layout.tp, layout.ep, layout.efsdp) == (2, 2, 2, 2)
+    assert check(DistConfig(), small_config(), 1).world == 1
+
+
+@pytest.mark.parametrize("config, world, batch, reason", [
+    (DistConfig(tp=4), 4, 4, "tp 4 does not divide n_groups 2 (Mamba's B/C and gated norm split by group)"),
+    (DistConfig(tp=3), 6, 4, "tp 3 does not divide vocab_size 128 (the vocab-parallel embedding and lm_head)"),
+    (DistConfig(ep=3), 3, 3, "ep 3 does not divide 8 experts"),
+    (DistConfig(tp=2, dp_shard=1), 4, 4, "= 2 != 4 GPUs"),
+    (DistConfig(pp=2), 2, 4, None),  # valid: 2 micro-batches per step, 2 stages
+    (DistConfig(pp=4), 4, 4, "2 micro-batches per DP rank < pp 4 (1F1B needs one per stage)"),
+    (DistConfig(dp_shard=3), 3, 4, "8 sequences per iteration do not split over dp 3 x micro-batch 1"),
+    (DistConfig(dp_shard=4), 4, 6, "data.batch_size 6 does not split over dp_replicate x dp_shard = 4"),
+    (DistConfig(cp=2), 2, 4, "context parallelism is planned"),
+    (DistConfig(tp=2, etp=2), 2, 4, "expert tensor parallelism is not implemented"),
+    (DistConfig(tp=4), 6, 4, "= 4 does not divide the 6 processes"),
+])
+def test_each_bad_layout_fails_with_its_one_line_reason(small_config, config, world, batch, reason):
+    if reason is None:
+        check(config, small_config(), world, batch_size=batch)
+        return
+    with pytest.raises(ValueError) as error:
+        check(config, small_config(), world, batch_size=batch)
+    assert reason in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_reason_is_the_planners(small_config):
+    from hybridtron.dist.costs import cluster_for
+    from hybridtron.dist.plan import Layout, Workload, check_layout
+
+    planner = check_layout(small_config(), cluster_for("h100", 8), Workload(seq_len=32, tokens_per_iter=256),
+                           Layout(tp=8))
+    with pytest.raises(ValueError, match=planner.reason.replace("(", r"\(").replace(")", r"\)")):
+        check(DistConfig(tp=8), small_config(), 8, batch_size=8)
+
+
+def test_a_single_process_with_the_default_layout_builds_no_process_group(small_config, monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_parallel(DistConfig(), small_config(), batch_size=4, grad_accum=1, seq_len=32) is None
+    assert not dist.is_initialized()
+
+
+def test_dist_section_parses_and_validates():
+    config = build_run_config("tiny", overrides=["dist.tp=2", "dist.ep=4", "dist.pp_schedule=gpipe"])
+    assert (config.dist.tp, config.dist.ep, config.dist.dp_shard, config.dist.pp_schedule) == (2, 4, -1, "gpipe")
+    assert "[dist]" in config.to_toml()
+    with pytest.raises(ValueError, match="dist.dp_shard must be >= 1 or -1"):
+        build_run_config("tiny", overrides=["dist.dp_shard=0"])
+    with pytest.raises(ValueError, match="dist.pp_schedule must be one of"):
+        build_run_config("tiny", overrides=["dist.pp_schedule=zigzag"])
+    with pytest.raises(ValueError, match="unknown dist fields"):
+        build_run_config("tiny", overrides=["dist.sp=2"])
+
+
+def test_pretrain_rejects_a_bad_layout_before_writing_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets it; the check runs before any process group is made
+    out = tmp_path / "run"
+    code = cli_main(["pretrain", "--preset", "tiny", "--out", str(out), "--set", "dist.tp=4", "--quiet"])
+    assert code == 2
+    assert "tp 4 does not divide n_groups 2 (Mamba's B/C and gated norm split by group)" in capsys.readouterr().err
+    assert not out.exists()

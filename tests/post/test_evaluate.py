@@ -1,0 +1,66 @@
+"""`evaluate_env`: completions from the chat template's generation prompt, graded by the environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridtron.data.chat import tokenize_chat
+from hybridtron.data.tokenizer import IM_END, Tokenizer
+from hybridtron.infer.engine import generate_tokens
+from hybridtron.infer.sampling import SamplingParams
+from hybridtron.model.lm import HybridLM
+from hybridtron.post.envs import Environment, Task
+from hybridtron.post.evaluate import evaluate_env
+
+
+class Recorder(Environment):
+    """Rewards 1.0 for the completions it is told are right; remembers what it was asked to grade."""
+
+    system_prompt = "Answer."
+
+    def __init__(self, right: set[str] = frozenset()):
+        self.right, self.graded = set(right), []
+
+    def reward(self, task, completion):
+        self.graded.append(completion)
+        return 1.0 if completion in self.right else 0.0
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.train(["What is 1 + 2? The answer is 3.", "Answer the question."] * 20, 512)
+
+
+TASKS = [Task(prompt=f"What is {a} + {b}?", difficulty=1 + a % 2) for a, b in [(1, 2), (2, 3), (3, 4)]]
+
+
+def test_completions_are_the_models_greedy_continuations_graded_by_the_env(tokenizer, small_config):
+    model = HybridLM(small_config(vocab_size=512, max_position_embeddings=128)).eval()
+    env = Recorder()
+    result = evaluate_env(model, tokenizer, env, TASKS, max_tokens=6, batch_size=2)
+    stop = (tokenizer.token_id(IM_END), tokenizer.eos_id)
+    prompts = [tokenize_chat(tokenizer, env.prompt_messages(t), add_generation_prompt=True).ids.tolist()
+               for t in TASKS]
+    expected = generate_tokens(model, prompts, SamplingParams(temperature=0, max_tokens=6, stop_token_ids=stop))
+    texts = [tokenizer.decode(t[:-1] if t and t[-1] in stop else t) for t in expected]
+    assert result.completions == texts == env.graded
+    assert result.tasks == 3 and result.pass_at_1 == 0.0
+
+    env = Recorder(right={texts[0], texts[2]})
+    result = evaluate_env(model, tokenizer, env, TASKS, max_tokens=6, batch_size=3)
+    solved = [t in env.right for t in texts]
+    assert result.pass_at_1 == pytest.approx(sum(solved) / 3)
+    assert result.by_difficulty == {1: solved[1] / 1, 2: (solved[0] + solved[2]) / 2}
+    assert 0 < result.mean_completion_tokens <= 6 and 0 <= result.truncated_share <= 1
+
+
+def test_an_opened_thinking_block_is_part_of_what_is_graded(tokenizer, small_config):
+    model = HybridLM(small_config(vocab_size=512, max_position_embeddings=128)).eval()
+    env = Recorder()
+    evaluate_env(model, tokenizer, env, TASKS[:1], max_tokens=3, enable_thinking=True)
+    assert env.graded[0].startswith("<think>\n")
+
+
+def test_no_tasks_is_an_error(tokenizer, small_config):
+    with pytest.raises(ValueError, match="no tasks"):
+        evaluate_env(HybridLM(small_config(vocab_size=512)), tokenizer, Recorder(), [])

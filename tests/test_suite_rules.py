@@ -1,0 +1,20 @@
+"""Rules the test suite keeps: a test never skips because one of the package's own modules fails to import (a
+broken import must fail); `pytest.importorskip` is for optional third-party packages only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def test_no_importorskip_of_the_packages_own_modules():
+    offenders = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "importorskip" and node.args and isinstance(node.args[0], ast.Constant)
+                    and str(node.args[0].value).split(".")[0] == "hybridtron"):
+                offenders.append(f"{path.relative_to(TESTS.parent)}:{node.lineno}: {node.args[0].value}")
+    assert offenders == [], "import the package's modules directly; a broken import must fail:\n" + "\n".join(offenders)
