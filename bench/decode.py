@@ -5,7 +5,8 @@ Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Thre
 1. `hf`: decode tokens/s of hybridtron's `generate` and transformers' `NemotronHForCausalLM.generate` on the same
    checkpoint (random weights saved with `save_pretrained`, loaded by both), for the `tiny` and `bench22m` presets.
    Decode time per token = (time for 1 + N tokens - time for 1 token) / N, so the prompt's prefill cancels out.
-   dt_bias is shifted up so that transformers' prefill clamp at time_step_min (SPEC-model.md) does not change the
+   dt_bias is shifted up so that transformers' prefill clamp at time_step_min (the README's
+   note on dt) does not change the
    function; the two must emit the same greedy tokens before anything counts. hybridtron is timed twice: eager,
    and with the compiled decode step (`Decoder(compile=True)`), whose first run compiles (its elapsed time is
    printed apart; the per-token times are of runs after it). Every hybridtron model here is laid out for decoding
@@ -25,7 +26,10 @@ Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Thre
    `--max-draft` and with the adaptive default (`draft_length=None`), eager and (`--compiled`) compiled, every
    variant's greedy tokens identical to plain decoding's; then where an eager step's time goes by phase, and what
    a T-token forward and the lm_head's M-row product cost against one token (why verification is not free).
-2c. `threads` (when asked): plain decoding of that checkpoint at 1 and 2 intra-op threads, batch 1 and 8.
+2c. `layers` (when asked): each piece of that checkpoint's eager forward (every backbone layer, norm_f + lm_head,
+   the MTP block) at 1 token and at k + 1 tokens (`--max-draft`), against the whole forward: what a verification
+   and a draft cost, piece by piece.
+2d. `threads` (when asked): plain decoding of that checkpoint at 1 and 2 intra-op threads, batch 1 and 8.
 3. `context`: per-token decode time after a prompt of 1K and 16K tokens (`--contexts`), for the `tiny` hybrid (3 Mamba layers,
    1 attention) and an all-attention model of the same width and depth (every Mamba layer replaced by attention).
    The hybrid's time should stay nearly flat; attention reads a KV cache that grows with the context.
@@ -40,7 +44,7 @@ CPU time instead of the elapsed time (BENCHMARKS.md's decode numbers were taken 
     python bench/decode.py                                   # sections hf, speculative, context; 2 threads, wall
     python bench/decode.py --clock cpu --threads 1 --trained /tmp/bench-model   # keep the trained model for reruns
     python bench/decode.py --sections drift --trained /tmp/bench-model
-    OMP_NUM_THREADS=1 python bench/decode.py --sections checkpoint threads --checkpoint /tmp/quickstart/hf \
+    OMP_NUM_THREADS=1 python bench/decode.py --sections checkpoint layers threads --checkpoint /tmp/quickstart/hf \
         --threads 1 --clock cpu --compiled
 """
 
@@ -324,14 +328,21 @@ def verification_costs(model, max_tokens: int, compiled: bool, repeats: int) -> 
     return [t / times[0] for t in times]
 
 
-def lm_head_costs(model, max_rows: int, repeats: int) -> list[float]:
-    """Time of the lm_head's product for M = 1..max_rows rows, relative to M = 1 (eager: MKL's GEMM)."""
-    times = []
+def lm_head_costs(model, max_rows: int, repeats: int) -> tuple[list[float], list[float] | None]:
+    """Time of the lm_head's product for M = 1..max_rows rows relative to MKL's M = 1 (the decoders' path): by MKL's
+    fp32 GEMM, and by oneDNN's with the weight prepacked once (None where oneDNN is absent): whether a product of a
+    few rows costs about one row's time, as it does when reading the weight dominates."""
+    weight = model.lm_head.weight.detach()
+    times, onednn = [], []
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if torch.backends.mkldnn.is_available() else None
     with torch.inference_mode():
         for rows in range(1, max_rows + 1):
             x = torch.randn(rows, model.config.hidden_size)
             times.append(min(timed(lambda: [model.lm_head(x) for _ in range(50)]) / 50 for _ in range(repeats)))
-    return [t / times[0] for t in times]
+            if packed is not None:
+                product = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
+                onednn.append(min(timed(lambda: [product() for _ in range(50)]) / 50 for _ in range(repeats)))
+    return [t / times[0] for t in times], ([t / times[0] for t in onednn] if packed is not None else None)
 
 
 class TimedForms:
@@ -353,9 +364,11 @@ class TimedForms:
         return timed_call
 
 
-def phase_profile(model, prompt: list[int], params: SamplingParams, k: int) -> tuple[dict[str, float], float, float]:
-    """Where a speculative step's time goes, eager: ms per step by phase, the ms of a whole step, and of a plain
-    step (the drafts' lm_head and token choice, acceptance and bookkeeping are the step's rest)."""
+def phase_profile(model, prompt: list[int], params: SamplingParams, k: int
+                  ) -> tuple[dict[str, float], float, float, float]:
+    """Where a speculative step's time goes, eager: ms per step by phase, the ms of a whole step, of a plain step
+    (the drafts' lm_head and token choice, acceptance and bookkeeping are the step's rest), and the acceptance
+    length."""
     totals: dict[str, float] = {}
     decoder = SpeculativeDecoder(model, [prompt], params, draft_length=k)
     decoder.batch.forms = TimedForms(decoder.batch.forms, totals)
@@ -363,7 +376,8 @@ def phase_profile(model, prompt: list[int], params: SamplingParams, k: int) -> t
     steps_run = decoder.stats.steps
     plain = Decoder(model, [prompt], params)
     plain_s = timed(lambda: [None for _ in plain]) / max(len(plain.sequences[0].tokens) - 1, 1)
-    return {name: value / steps_run * 1e3 for name, value in totals.items()}, whole / steps_run * 1e3, plain_s * 1e3
+    return ({name: value / steps_run * 1e3 for name, value in totals.items()}, whole / steps_run * 1e3, plain_s * 1e3,
+            decoder.stats.mean_acceptance_length)
 
 
 def bench_checkpoint(args, log) -> str:
@@ -439,27 +453,107 @@ def bench_checkpoint(args, log) -> str:
                   for p in range(len(prompts))]
     lines += ["", "Acceptance length by prompt (eager): " + "; ".join(per_prompt)]
     lines += ["", "Where an eager speculative step's time goes (ms per step, the first prompt; the rest is the drafts' "
-              "lm_head and token choice, acceptance and bookkeeping):", "",
+              "lm_head and token choice, acceptance and bookkeeping). The last column bounds what any verification "
+              "could give: the speedup if the verification forward cost no more than one plain step, drafting and "
+              "the rest as measured (acceptance length x plain step / (step - verification + plain step)):", "",
               "| k | catch-up | draft chain | verification forward | rollback | rest | whole step | plain step | "
-              "step / plain |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for k in (1, 2, args.max_draft):
-        phases, whole, plain = min((phase_profile(model, prompts[0], params, k) for _ in range(args.repeats)),
-                                   key=lambda r: r[1])
+              "step / plain | acceptance | speedup | bound, verification = 1 plain step |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for k in sorted({1, 2, 3, args.max_draft}):
+        phases, whole, plain, accepted = min((phase_profile(model, prompts[0], params, k)
+                                              for _ in range(args.repeats)), key=lambda r: r[1])
         rest = whole - sum(phases.values())
+        verification = phases.get('verification forward', 0)
+        bound = accepted * plain / (whole - verification + plain)
         lines.append(f"| {k} | {phases.get('catch-up', 0):.2f} | {phases.get('draft chain', 0):.2f} | "
-                     f"{phases.get('verification forward', 0):.2f} | {phases.get('rollback', 0):.2f} | {rest:.2f} | "
-                     f"{whole:.2f} | {plain:.2f} | {whole / plain:.2f}x |")
+                     f"{verification:.2f} | {phases.get('rollback', 0):.2f} | {rest:.2f} | "
+                     f"{whole:.2f} | {plain:.2f} | {whole / plain:.2f}x | {accepted:.2f} | "
+                     f"{accepted * plain / whole:.2f}x | {bound:.2f}x |")
     eager_costs = verification_costs(model, args.max_draft + 1, False, args.repeats)
-    head = lm_head_costs(model, args.max_draft + 1, args.repeats)
+    head, head_onednn = lm_head_costs(model, args.max_draft + 1, args.repeats)
     lines += ["", "What a verification costs: one backbone forward over T tokens against one token (batch 1), and the "
-              "lm_head's product alone for M rows against one (eager; MKL's fp32 GEMM):", "",
+              "lm_head's product alone for M rows against MKL's one row (MKL's fp32 GEMM, which the decoders run; "
+              "oneDNN's with the weight prepacked, for comparison):", "",
               "| T | " + " | ".join(str(t) for t in range(1, args.max_draft + 2)) + " |",
               "|---|" + "---:|" * (args.max_draft + 1),
               "| eager forward | " + " | ".join(f"{c:.2f}x" for c in eager_costs) + " |"]
     if args.compiled:
         compiled_costs = verification_costs(model, args.max_draft + 1, True, args.repeats)
         lines.append("| compiled forward | " + " | ".join(f"{c:.2f}x" for c in compiled_costs) + " |")
-    lines.append("| lm_head GEMM | " + " | ".join(f"{c:.2f}x" for c in head) + " |")
+    lines.append("| lm_head GEMM (MKL) | " + " | ".join(f"{c:.2f}x" for c in head) + " |")
+    if head_onednn is not None:
+        lines.append("| lm_head GEMM (oneDNN, prepacked) | " + " | ".join(f"{c:.2f}x" for c in head_onednn) + " |")
+    return "\n".join(lines)
+
+
+def bench_layers(args, log) -> str:
+    """What each piece of a verification costs against one token, eager: every backbone layer (T tokens, Mamba
+    layers recording their states), norm_f + lm_head, and the MTP block (one drafting depth), on the checkpoint at
+    200 cached positions; the sum of the layers against a whole forward shows the model's own per-forward cost."""
+    from functools import partial
+
+    from hybridtron.infer import fastpath
+    from hybridtron.infer.cache import HybridCache
+    from hybridtron.infer.engine import resolve_checkpoint_dir
+
+    directory, name = resolve_checkpoint_dir(args.checkpoint)
+    model = load_pretrained(directory).eval()
+    lay_out_for_decoding(model)
+    config, width = model.config, args.max_draft + 1
+    cache = HybridCache.allocate(config, 1, 512)
+    mtp_cache = HybridCache.allocate(config, 1, 512, kinds=config.mtp_layers_block_type)
+    cache.lengths += 200
+    mtp_cache.lengths += 200
+
+    def cost(fn) -> float:  # us per call, fastest of the repetitions
+        fn()
+        return min(timed(lambda: [fn() for _ in range(50)]) / 50 for _ in range(args.repeats)) * 1e6
+
+    rows = []
+    with torch.inference_mode():
+        for index, (layer, layer_cache) in enumerate(zip(model.backbone.layers, cache.layers)):
+            times = []
+            for tokens in (1, width):
+                hidden = torch.randn(1, tokens, config.hidden_size)
+                mixer_fn = partial(fastpath.fast_mixer, recording=cache) if tokens > 1 else fastpath.fast_mixer
+
+                def run_layer():
+                    layer(hidden, layer_cache, cache.lengths, None, mixer_fn)
+                    cache.recorded.clear()
+                times.append(cost(run_layer))
+            rows.append((f"layer {index} ({layer.kind})", *times))
+        head = [cost(lambda h=torch.randn(1, t, config.hidden_size): model.lm_head(model.backbone.norm_f(h)))
+                for t in (1, width)]
+        rows.append(("norm_f + lm_head", *head))
+
+        def mtp_depth(tokens):
+            hidden, embedding = torch.randn(1, tokens, config.hidden_size), torch.randn(1, tokens, config.hidden_size)
+
+            def run():
+                fastpath.mtp_forward(model, hidden, embedding, mtp_cache)
+                mtp_cache.lengths -= tokens
+            return run
+        rows.append(("MTP block (one depth)", cost(mtp_depth(1)), cost(mtp_depth(width))))
+
+        def whole(tokens):
+            ids = torch.full((1, tokens), 5, dtype=torch.long)
+
+            def run():
+                fastpath.forward(model, ids, cache, record=tokens > 1)
+                cache.recorded.clear()
+                cache.lengths -= tokens
+            return run
+        forward = (cost(whole(1)), cost(whole(width)))
+    backbone = [sum(r[i] for r in rows[:-1]) for i in (1, 2)]
+    lines = [f"Eager cost of each piece of a forward of `{name}`, us per call at T = 1 and T = {width} tokens "
+             f"(batch 1, 200 positions cached; T > 1 records the Mamba states, as a verification does):", "",
+             f"| piece | T = 1 | T = {width} | ratio |", "|---|---:|---:|---:|"]
+    for label, one, many in rows:
+        lines.append(f"| {label} | {one:.0f} | {many:.0f} | {many / one:.2f}x |")
+    lines.append(f"| sum of the layers and the head | {backbone[0]:.0f} | {backbone[1]:.0f} | "
+                 f"{backbone[1] / backbone[0]:.2f}x |")
+    lines.append(f"| whole forward (`fastpath.forward`) | {forward[0]:.0f} | {forward[1]:.0f} | "
+                 f"{forward[1] / forward[0]:.2f}x |")
     return "\n".join(lines)
 
 
@@ -552,7 +646,7 @@ def bench_drift(model: HybridLM, args, log) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", nargs="+", default=["hf", "speculative", "context"],
-                        choices=["hf", "speculative", "checkpoint", "threads", "context", "drift"])
+                        choices=["hf", "speculative", "checkpoint", "layers", "threads", "context", "drift"])
     parser.add_argument("--checkpoint", default="/tmp/quickstart/hf",
                         help="section checkpoint: a trained checkpoint or run directory (the quickstart's)")
     parser.add_argument("--prompts", type=int, default=4, help="section checkpoint: standard-library prompts")
@@ -596,6 +690,9 @@ def main(argv=None) -> None:
     if "checkpoint" in args.sections:
         log("speculative decoding on a checkpoint ...")
         out.append(bench_checkpoint(args, log))
+    if "layers" in args.sections:
+        log("cost of a verification's pieces ...")
+        out.append(bench_layers(args, log))
     if "threads" in args.sections:
         log("intra-op threads ...")
         out.append(bench_threads(args, log))

@@ -125,13 +125,17 @@ def main() -> None:
 
 
 def cpu_model() -> str:
+    """The CPU's model name and its vector-ISA flags (what torch's CPU kernels dispatch on), from /proc/cpuinfo."""
+    name, flags = "unknown", []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            if line.startswith("model name") and name == "unknown":
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c"))]
     except OSError:
         pass
-    return "unknown"
+    return f"{name} ({' '.join(flags) or 'no AVX flags'})"
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def _small_config(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a pure function: module-scoped fixtures may use it too
 def small_config():
     """`small_config(**overrides)`: Mamba, attention, LatentMoE (grouped routing) and dense layers, with MTP."""
     return _small_config

@@ -23,7 +23,9 @@ COMMANDS = {
     "memory": ("hybridtron.infer.memory", "KV cache and Mamba state memory of a model at a context and batch"),
     "sft": ("hybridtron.post.sft", "fine-tune a model on conversations, with the loss on the assistant's tokens"),
     "grpo": ("hybridtron.post.grpo", "reinforcement learning with verifiable rewards (GRPO) on an environment"),
+    "mopd": ("hybridtron.post.mopd", "multi-teacher on-policy distillation: each domain's teacher scores the student"),
     "mtp-boost": ("hybridtron.post.mtp_boost", "train only the MTP block to raise speculative acceptance"),
+    "pipeline": ("hybridtron.post.pipeline", "the whole recipe, pretraining to MTP boosting, resumable stage by stage"),
     "plan": ("hybridtron.dist.plan", "rank parallel layouts (DP, TP, PP, CP, EP) by memory and step time"),
     "convert": ("hybridtron.dist.convert", "convert a sharded (DCP) training checkpoint to HF, or HF to DCP"),
 }

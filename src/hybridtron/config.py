@@ -217,6 +217,11 @@ class ModelConfig:
         return self.mamba_num_heads * self.mamba_head_dim
 
     @property
+    def conv_channels(self) -> int:
+        """Channels of the Mamba conv (and of its decoding state): x (inner width) and the B and C of every group."""
+        return self.mamba_inner_size + 2 * self.n_groups * self.ssm_state_size
+
+    @property
     def has_mtp(self) -> bool:
         return self.num_nextn_predict_layers > 0
 

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N tests/dist/layout_worker.py OUT.json LAYOUT [LAYOUT ...]
 
 LAYOUT is `dp_shard=2,ep=2`-style ([dist] fields; unnamed ones default, dp_shard takes the rest; also
-`recompute=full|selective` and `compile=BACKEND` for the blocks). Each layout
+`recompute=full|selective` and `compile=BACKEND` for the blocks, `precision=nvfp4|mxfp8` for the emulated GEMMs,
+`grad_accum_dtype=bf16` for lm_head's gradient reduction, and `steps=N`). Each layout
 builds its own meshes over the one process group, trains `train_steps` steps from the same initialization on
 the same global batches, and global rank 0 writes, per layout, every step's metrics, gradient norm and globally
 reduced expert counts to OUT.json. `train(None, ...)` is the single-process reference the tests compare against.
@@ -26,6 +27,7 @@ from hybridtron.dist.mesh import init_parallel  # noqa: E402
 from hybridtron.dist.parallelize import parallelize  # noqa: E402
 from hybridtron.dist.step import DataParallelBatches  # noqa: E402
 from hybridtron.model.lm import HybridLM  # noqa: E402
+from hybridtron.numerics.policy import convert_for_training  # noqa: E402
 from hybridtron.ops.cross_entropy import IGNORE_INDEX  # noqa: E402
 from hybridtron.train.hooks import Hook  # noqa: E402
 from hybridtron.train.loop import Trainer  # noqa: E402
@@ -78,24 +80,35 @@ class Record(Hook):
                            "signals": {k: v for k, v in stats.signals.items() if k.startswith("ep_dropped/")}})
 
 
-def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_backend: str | None = None) -> list[dict]:
-    """Train `steps` steps from the seed-0 initialization; the per-step records (same on every rank)."""
+def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_backend: str | None = None,
+          precision: str = "fp32", grad_accum_dtype: str = "fp32") -> list[dict]:
+    """Train `steps` steps from the seed-0 initialization; the per-step records (same on every rank). The
+    precision policy is applied before the layout, as `hybridtron.train.run.assemble_trainer` does."""
     torch.manual_seed(0)
     config = model_config()
-    model = parallelize(HybridLM(config), parallel, recompute=recompute, compile=compile_backend is not None,
-                        compile_backend=compile_backend or "inductor")
+    model = HybridLM(config)
+    train_config = TrainConfig(steps=steps, grad_accum=GRAD_ACCUM, lr=3e-3, warmup_steps=2, grad_clip=1.0,
+                               precision=precision)
+    convert_for_training(model, train_config)
+    model = parallelize(model, parallel, recompute=recompute, compile=compile_backend is not None,
+                        compile_backend=compile_backend or "inductor",
+                        output_reduce_dtype=torch.bfloat16 if grad_accum_dtype == "bf16" else torch.float32)
     batches = SyntheticBatches(config.vocab_size)
     objective = PretrainObjective()
     if parallel is not None:
         batches = DataParallelBatches(batches, parallel)
         objective = PretrainObjective(parallel.sum_over_data, config.mtp_num_depths)
-    train_config = TrainConfig(steps=steps, grad_accum=GRAD_ACCUM, lr=3e-3, warmup_steps=2, grad_clip=1.0)
     record = Record()
     Trainer(model, objective, batches, train_config, None, hooks=[record], parallel=parallel).train()
+    if parallel is not None and model.lm_head is not None:  # the dtype FSDP reduces the output layer's gradient in
+        reduce_dtype = model.lm_head._get_fsdp_state()._fsdp_param_group.mp_policy.reduce_dtype
+        for step in record.steps:
+            step["lm_head_reduce_dtype"] = str(reduce_dtype)
     return record.steps
 
 
-TRAIN_OPTIONS = ("recompute", "compile")  # not [dist] fields: how the blocks run (compile=BACKEND)
+# not [dist] fields: how the blocks run and what the run trains in
+TRAIN_OPTIONS = ("recompute", "compile", "precision", "grad_accum_dtype", "steps")
 
 
 def parse_layout(text: str) -> tuple[DistConfig, dict]:
@@ -115,8 +128,9 @@ def main(out: str, layouts: list[str]) -> None:
     for text in layouts:
         config, options = parse_layout(text)
         parallel = init_parallel(config, model_config(), batch_size=BATCH, grad_accum=GRAD_ACCUM, seq_len=SEQ)
-        results[text] = train(parallel, recompute=options.get("recompute", "none"),
-                              compile_backend=options.get("compile"))
+        results[text] = train(parallel, int(options.get("steps", STEPS)), recompute=options.get("recompute", "none"),
+                              compile_backend=options.get("compile"), precision=options.get("precision", "fp32"),
+                              grad_accum_dtype=options.get("grad_accum_dtype", "fp32"))
     if parallel.is_main:
         Path(out).write_text(json.dumps(results))
     parallel.close()

@@ -20,7 +20,7 @@ import torch
 
 from hybridtron.checkpoint import load_pretrained
 
-STEPS = 8
+STEPS = 6
 FAST = ["--preset", "tiny", "--quiet", "--set", "data.families=json,text", "--set", "data.seq_len=32",
         "--set", "data.batch_size=4", "--set", "data.vocab_size=512", "--set", "model.vocab_size=512",
         "--set", "data.val_batches=1", "--set", "train.val_every=5", "--set", "train.checkpoint_every=2",
@@ -73,11 +73,12 @@ def interrupted_copy(run_dir: Path, target: Path, keep_step: int) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The single-process reference and the same run on 4 processes with DP 2 x TP 2 x EP 2."""
+    """The single-process reference and the same run on 4 processes as 2 pipeline stages of TP 2 (DP x TP x EP
+    runs against one process in test_parallel_layouts.py)."""
     root = tmp_path_factory.mktemp("dist_runs")
     cache = root / "cache"
     run(1, root / "single", cache, "--steps", str(STEPS))
-    run(4, root / "world4", cache, "--steps", str(STEPS), "--set", "dist.tp=2", "--set", "dist.ep=2")
+    run(4, root / "world4", cache, "--steps", str(STEPS), "--set", "dist.pp=2", "--set", "dist.tp=2")
     return root, cache
 
 
@@ -100,24 +101,24 @@ def test_four_processes_train_and_export_what_one_process_does(runs):
 
 @pytest.mark.timeout(600)
 def test_a_world_4_checkpoint_resumes_at_world_2_and_1_in_other_layouts(runs, tmp_path):
-    """DP 2 x TP 2 x EP 2 on 4 processes -> a 2-stage pipeline on 2 -> one process."""
+    """PP 2 x TP 2 on 4 processes -> DP 2 x EP 2 on 2 -> one process."""
     root, cache = runs
     reference = records(root / "single")
-    at_2 = interrupted_copy(root / "world4", tmp_path / "at2", keep_step=6)
-    run(2, at_2, cache, "--resume", "--set", "dist.tp=1", "--set", "dist.ep=1", "--set", "dist.pp=2")  # a pipeline
-    assert_same_curve(records(at_2), reference, range(7, STEPS + 1))
-    at_1 = interrupted_copy(root / "world4", tmp_path / "at1", keep_step=4)
-    run(1, at_1, cache, "--resume", "--set", "dist.tp=1", "--set", "dist.ep=1")
-    assert_same_curve(records(at_1), reference, range(5, STEPS + 1))
+    at_2 = interrupted_copy(root / "world4", tmp_path / "at2", keep_step=4)
+    run(2, at_2, cache, "--resume", "--set", "dist.pp=1", "--set", "dist.tp=1", "--set", "dist.ep=2")
+    assert_same_curve(records(at_2), reference, range(5, STEPS + 1))
+    at_1 = interrupted_copy(root / "world4", tmp_path / "at1", keep_step=2)
+    run(1, at_1, cache, "--resume", "--set", "dist.pp=1", "--set", "dist.tp=1")
+    assert_same_curve(records(at_1), reference, range(3, STEPS + 1))
 
 
 @pytest.mark.timeout(600)
 def test_a_single_process_checkpoint_resumes_on_two_processes_with_tp(runs, tmp_path):
     root, cache = runs
-    resumed = interrupted_copy(root / "single", tmp_path / "tp2", keep_step=6)
+    resumed = interrupted_copy(root / "single", tmp_path / "tp2", keep_step=4)
     done = run(2, resumed, cache, "--resume", "--set", "dist.tp=2")
-    assert "resumed from" in done.stderr and "step_000006" in done.stderr
-    assert_same_curve(records(resumed), records(root / "single"), range(7, STEPS + 1))
+    assert "resumed from" in done.stderr and "step_000004" in done.stderr
+    assert_same_curve(records(resumed), records(root / "single"), range(5, STEPS + 1))
 
 
 @pytest.mark.timeout(600)
@@ -127,11 +128,11 @@ def test_kill_9_of_one_rank_then_a_torchrun_restart_resumes_from_the_last_comple
     job = subprocess.Popen(command(2, out, "--steps", str(STEPS), "--set", "dist.ep=2"), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=environment(cache), start_new_session=True)
     try:
-        second = out / "checkpoints" / "step_000004"
+        first = out / "checkpoints" / "step_000002"
         deadline = time.time() + 240
-        while not second.exists() and job.poll() is None and time.time() < deadline:
+        while not first.exists() and job.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        assert second.exists(), "no checkpoint appeared"
+        assert first.exists(), "no checkpoint appeared"
         workers = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True,
                                                       text=True).stdout.split()]
         assert workers, "torchrun has no workers"
@@ -142,7 +143,7 @@ def test_kill_9_of_one_rank_then_a_torchrun_restart_resumes_from_the_last_comple
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode != 0
     latest = max(int(path.name.removeprefix("step_")) for path in (out / "checkpoints").glob("step_??????"))
-    assert 4 <= latest < STEPS  # the kill came before the end; a half-written save, if any, is not listed
+    assert 2 <= latest < STEPS  # the kill came before the end; a half-written save, if any, is not listed
     done = run(2, out, cache, "--resume")
     assert f"resumed from {out / 'checkpoints' / f'step_{latest:06d}'}" in done.stderr
     assert not list((out / "checkpoints").glob("*.tmp-*"))

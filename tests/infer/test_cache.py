@@ -112,7 +112,7 @@ def test_cache_bounds_and_memory(small_config):
     n_attention = config.layers_block_type.count("full_attention")
     per_token = n_attention * 2 * config.num_key_value_heads * config.head_dim * 4
     assert sizes[1] - sizes[0] == 2 * 10 * per_token
-    conv_channels = config.mamba_inner_size + 2 * config.n_groups * config.ssm_state_size
+    conv_channels = config.conv_channels
     mamba = config.layers_block_type.count("linear_attention") * 4 * (
         conv_channels * (config.conv_kernel - 1)
         + config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size)

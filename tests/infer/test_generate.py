@@ -266,7 +266,6 @@ def checkpoint(tmp_path, small_config, tokenizer):
 
 def test_engine_streams_what_generate_emits(checkpoint, tokenizer):
     from hybridtron.infer.engine import load_engine
-    from hybridtron.infer.server import generate_text
 
     directory, model = checkpoint
     prompt = tokenizer.encode("def generate_tokens(model")
@@ -279,8 +278,8 @@ def test_engine_streams_what_generate_emits(checkpoint, tokenizer):
         assert (engine.model_name, engine.max_context, engine.vocab_size) == ("ckpt", 64, 640)
         assert engine.speculative == speculative
         assert list(engine.stream(prompt, params)) == expected
-        events = list(generate_text(engine, prompt, params))  # the server's text layer over this engine
-        assert "".join(e.text for e in events) == tokenizer.decode(expected)
+        pairs = list(engine.stream_text(prompt, params))  # the text layer over this engine
+        assert "".join(delta for _, delta in pairs) == tokenizer.decode(expected)
     assert engine.last_stats.steps > 0
 
 

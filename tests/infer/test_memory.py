@@ -157,6 +157,10 @@ def test_memory_command_slots_for_a_budget(capsys):
     per_slot = slot_bytes(config, 8192, "fp32", "fp32", "fp32", include_mtp=True)
     assert numbers["slot_bytes"] == per_slot and numbers["slots_in_budget"] == 2 ** 30 // per_slot - 1
     assert main(["memory", "--preset", "tiny", "--budget-gib", "1"]) == 0
-    assert "slots in 1 GiB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    # the defaults (fp8 KV, bf16 conv: the report's serving figures) are not the engine's: the output says so
+    assert "slots in 1 GiB" in out and "pass that as --kv-dtype and --conv-dtype" in out
+    assert main(["memory", "--preset", "tiny", "--kv-dtype", "fp32", "--conv-dtype", "fp32", "--budget-gib", "1"]) == 0
+    assert "--kv-dtype" not in capsys.readouterr().out
     assert main(["memory", "--preset", "ultra3", "--budget-gib", "0.001"]) == 2
     assert "holds no slot" in capsys.readouterr().err

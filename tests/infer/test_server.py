@@ -1,8 +1,12 @@
-"""The OpenAI-compatible server over real loopback HTTP, with the official `openai` client and a fake engine."""
+"""The OpenAI-compatible server over real loopback HTTP, with the official `openai` client and a fake engine whose
+text is known in advance (UTF-8 edge cases, failures, slow streams). The real engine is served in
+test_server_engine.py."""
 
-import itertools
+import asyncio
+import contextlib
 import json
 import random
+import re
 import socket
 import threading
 import time
@@ -11,22 +15,71 @@ import urllib.request
 
 import pytest
 
-from hybridtron.infer.text import TextStream
 from hybridtron.infer.sampling import SamplingParams
-from hybridtron.infer.server import create_app, generate_text
+from hybridtron.infer.scheduler import EngineError, EngineStats, QueueFull, TokenEvent
+from hybridtron.infer.server import create_app
+from hybridtron.infer.text import SequenceText, TextStream
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 REPLY = "Héllo wörld, 🙂 says the fake model. "  # 1-, 2- and 4-byte UTF-8 characters
 MODEL = "hybridtron-fake"
+END = 2  # the fake's end-of-sequence token
+
+
+class FakeHandle:
+    """The engine's request handle (`hybridtron.infer.scheduler.RequestHandle`): events as an async iterator, with
+    the engine's semantics (max_tokens and the context end with "length", an end or stop token with "stop", that
+    token included), cancel() ends it with "cancelled" at the next token."""
+
+    def __init__(self, engine, prompt_ids, params):
+        self.engine, self.prompt_ids, self.params = engine, list(prompt_ids), params
+        self.done = self.cancel_requested = False
+
+    def cancel(self):
+        self.cancel_requested = True
+
+    def tokens(self):
+        prompt, reply = self.engine.decode(self.prompt_ids), self.engine.encode(REPLY)
+        for i in range(self.params.max_tokens):
+            if "boom" in prompt and i == 3:
+                raise EngineError("boom")
+            if len(self.prompt_ids) + i >= self.engine.max_context:
+                return
+            if "short" in prompt and i == len(reply):
+                yield END, "stop"
+                return
+            token = reply[i % len(reply)]
+            last = i + 1 == self.params.max_tokens or len(self.prompt_ids) + i + 1 >= self.engine.max_context
+            yield token, "stop" if token in self.params.stop_token_ids else ("length" if last else None)
+            if token in self.params.stop_token_ids:
+                return
+
+    async def events(self):
+        self.engine.started += 1
+        try:
+            if self.params.max_tokens == 0:
+                yield TokenEvent(None, None, None, "length")
+                return
+            for token, finish in self.tokens():
+                await asyncio.sleep(0.05 if "slow" in self.engine.decode(self.prompt_ids) else 0)
+                if self.cancel_requested:
+                    yield TokenEvent(None, None, None, "cancelled")
+                    return
+                yield TokenEvent(token, -0.5, None, finish)
+                if finish is not None:
+                    return
+        finally:
+            self.done = True
+            self.engine.closed += 1
 
 
 class FakeEngine:
     """Bytes as tokens (id = byte + 3; 0-2 are special). Replies REPLY over and over, deterministically.
 
-    Prompt words steer it: "short" ends the sequence after one REPLY (end of sequence), "slow" sleeps 50 ms per
-    token, "boom" raises after three tokens.
+    Prompt words steer it: "short" ends the sequence after one REPLY (an end token), "slow" sleeps 50 ms per
+    token, "boom" fails after three tokens. `queue_full` makes submit refuse.
     """
 
     model_name = MODEL
@@ -36,6 +89,8 @@ class FakeEngine:
     def __init__(self):
         self.started = 0
         self.closed = 0
+        self.queue_full = False
+        self.running = False
 
     def encode(self, text):
         return [b + 3 for b in text.encode("utf-8")]
@@ -43,24 +98,31 @@ class FakeEngine:
     def decode(self, ids):
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token):
+        return bytes([token - 3]) if token >= 3 else b""
+
     def chat_template(self, messages):
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
 
-    def stream(self, prompt_ids, params):
-        prompt = self.decode(prompt_ids)
-        reply = self.encode(REPLY)
-        self.started += 1
-        try:
-            for i in itertools.count():
-                if "boom" in prompt and i == 3:
-                    raise RuntimeError("boom")
-                if ("short" in prompt and i == len(reply)) or len(prompt_ids) + i >= self.max_context:
-                    return
-                if "slow" in prompt:
-                    time.sleep(0.05)
-                yield reply[i % len(reply)]
-        finally:
-            self.closed += 1
+    def submit_samples(self, prompt_ids, params, n, *, first_sample=0, logprobs=None, request_id=None):
+        if self.queue_full:
+            raise QueueFull("the engine's queue is full (0 requests waiting, max_queue 0); retry later")
+        return [FakeHandle(self, prompt_ids, params) for _ in range(n)]
+
+    def prompt_logprobs(self, prompt_ids, top_n=0):
+        return [(-1.0, {}) for _ in prompt_ids[1:]]
+
+    def stats(self):
+        return EngineStats(requests_served=self.closed, requests_running=self.started - self.closed, queue_length=0,
+                           slots=1, slots_used=0, batch_occupancy=0.0, tokens_per_second=0.0,
+                           mean_acceptance_length=None, draft_length=0, speculative=False, cache_bytes=0,
+                           slot_bytes=0, prompt_tokens=0, generated_tokens=0)
+
+    def start(self):
+        self.running = True
+
+    def shutdown(self, cancel=False, timeout=None):
+        self.running = False
 
 
 def expected_text(n_tokens: int) -> str:
@@ -68,24 +130,36 @@ def expected_text(n_tokens: int) -> str:
     return engine.decode((engine.encode(REPLY) * 4)[:n_tokens])
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = FakeEngine()
+@contextlib.contextmanager
+def serving(app, stop=None, **config):
+    """`app` served by uvicorn on a free loopback port, in a thread; yields the base URL. `stop`, a list, receives
+    a function that starts the server's shutdown (what SIGTERM does). `config`: uvicorn.Config options."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    uvicorn_server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="critical"))
+    uvicorn_server = uvicorn.Server(uvicorn.Config(app, log_level="critical", **config))
     thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 15
     while not uvicorn_server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.02)
-    yield engine, f"http://127.0.0.1:{port}"
-    uvicorn_server.should_exit = True
-    thread.join(10)
-    sock.close()
+    if stop is not None:
+        stop.append(lambda: setattr(uvicorn_server, "should_exit", True))
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uvicorn_server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = FakeEngine()
+    with serving(create_app(engine)) as base:
+        yield engine, base
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +190,7 @@ def assert_served(client):
     assert response.choices[0].text == expected_text(5)
 
 
-# ------------------------------------------------------------------------------------------ generate_text
+# ------------------------------------------------------------------------------------------ the text layer
 def test_text_stream_equals_full_decode():
     """Leading-space pieces (SentencePiece style) and multi-byte characters split over byte tokens both come out
     as the full decode would, while each step decodes only a short window (the server's detokenisation)."""
@@ -149,19 +223,41 @@ def test_text_stream_equals_full_decode():
     assert sum(decoded_tokens) < 8 * len(ids)  # windows of a few tokens, not the whole list each step
 
 
+class TextEvent:
+    def __init__(self, text, completion_tokens, finish_reason):
+        self.text, self.completion_tokens, self.finish_reason = text, completion_tokens, finish_reason
+
+
 def run_text(engine, prompt, **params):
-    events = list(generate_text(engine, engine.encode(prompt), SamplingParams(**params)))
+    """The server's text layer over one request: `SequenceText` fed the handle's events, as the server does, up to
+    the end of the text (a stop string ends it before the engine does: the handle is cancelled)."""
+    params = SamplingParams(**params)
+    handle, = engine.submit_samples(engine.encode(prompt), params, 1)
+    text = SequenceText(engine.decode, handle.prompt_ids, params.stop)
+
+    async def collect():
+        events, count, stream = [], 0, handle.events()
+        async for event in stream:
+            count += event.token_id is not None
+            step = text.push(event.token_id, event.finish_reason)
+            events.append(TextEvent(step.text, count, step.finish_reason))
+            if step.finish_reason is not None:
+                break
+        await stream.aclose()
+        return events
+
+    events = asyncio.run(collect())
     assert all(e.finish_reason is None for e in events[:-1]) and events[-1].finish_reason is not None
     return events
 
 
-def test_generate_text_holds_back_stop_prefixes_and_partial_characters():
+def test_sequence_text_holds_back_stop_prefixes_and_partial_characters():
     engine = FakeEngine()
     events = run_text(engine, "x", max_tokens=100, stop=("wör",))
     assert "".join(e.text for e in events) == "Héllo " and events[-1].finish_reason == "stop"
     assert not any("\ufffd" in e.text or "w" in e.text for e in events)
     assert sum(bool(e.text) for e in events) > 3  # text really streamed as it came, not at the end
-    assert engine.started == engine.closed == 1  # the engine's stream was closed at the stop string
+    assert engine.started == engine.closed == 1  # the request was closed at the stop string
 
     events = run_text(engine, "x", max_tokens=100, stop=("🙂",))
     assert "".join(e.text for e in events) == "Héllo wörld, "
@@ -169,11 +265,11 @@ def test_generate_text_holds_back_stop_prefixes_and_partial_characters():
     assert "".join(e.text for e in events) == REPLY + "H\ufffd" and not any("\ufffd" in e.text for e in events[:-1])
 
 
-def test_generate_text_budgets_and_stop_tokens():
+def test_sequence_text_ends_where_the_engine_does_and_hides_stop_tokens():
     engine = FakeEngine()
     events = run_text(engine, "x", max_tokens=0)
     assert events == [events[-1]] and events[-1].text == "" and events[-1].finish_reason == "length"
-    assert engine.started == 0
+    assert events[-1].completion_tokens == 0
     events = run_text(engine, "x", max_tokens=7)
     assert "".join(e.text for e in events) == expected_text(7) and events[-1].completion_tokens == 7
     comma = engine.encode(",")[0]
@@ -184,7 +280,7 @@ def test_generate_text_budgets_and_stop_tokens():
     assert events[-1].completion_tokens == 8 and events[-1].finish_reason == "length"
     events = run_text(engine, "short", max_tokens=100)  # the engine ends the sequence itself
     assert "".join(e.text for e in events) == REPLY and events[-1].finish_reason == "stop"
-    assert engine.started == engine.closed == 4
+    assert engine.started == engine.closed == 5
 
 
 # ------------------------------------------------------------------------------------------ over HTTP
@@ -207,7 +303,7 @@ def test_completion(client):
     assert stopped.choices[0].text == "Héllo " and stopped.choices[0].finish_reason == "stop"
     ended = client.completions.create(model=MODEL, prompt="short", max_tokens=100)
     assert ended.choices[0].text == REPLY and ended.choices[0].finish_reason == "stop"
-    assert ended.usage.completion_tokens == len(REPLY.encode())
+    assert ended.usage.completion_tokens == len(REPLY.encode()) + 1  # the end token counts (as vLLM counts it)
     nothing = client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
     assert (nothing.choices[0].text, nothing.choices[0].finish_reason, nothing.usage.completion_tokens) == \
         ("", "length", 0)
@@ -294,11 +390,31 @@ BAD_REQUESTS = [
     ("model a number", "/v1/completions", {"model": 3, "prompt": "hi"}, 400, "model", None),
     ("prompt a number", "/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt", None),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt", None),
-    ("two prompts", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", None),
+    ("prompts of two kinds", "/v1/completions", {"model": MODEL, "prompt": ["a", [5, 6], 7]}, 400, "prompt", None),
+    ("empty prompt list", "/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt", None),
     ("token id out of range", "/v1/completions", {"model": MODEL, "prompt": [1, 300]}, 400, "prompt", None),
     ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
-    ("n = 2", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", None),
-    ("logprobs", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 5}, 400, "logprobs", None),
+    ("n = 0", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", None),
+    ("n a string", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                            "n": "2"}, 400, "n", None),
+    ("too many choices", "/v1/completions", {"model": MODEL, "prompt": ["a"] * 10, "n": 20}, 400, "n", None),
+    ("logprobs 21", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
+    ("logprobs true on completions", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400,
+     "logprobs", None),
+    ("best_of above n", "/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of", None),
+    ("a penalty", "/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}, 400,
+     "presence_penalty", None),
+    ("seed a string", "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": "7"}, 400, "seed", None),
+    ("one prompt of a batch too long", "/v1/completions", {"model": MODEL, "prompt": ["a", LONG]}, 400, "prompt",
+     "context_length_exceeded"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400, "top_logprobs", None),
+    ("top_logprobs 21", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                                 "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    ("unknown message field", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "a", "colour": "red"}]}, 400, "messages[0].colour",
+     None),
+    ("message not an object", "/v1/chat/completions", {"model": MODEL, "messages": ["hi"]}, 400, "messages[0]", None),
     ("unknown argument", "/v1/completions", {"model": MODEL, "prompt": "hi", "foo": 1}, 400, "foo", None),
     ("five stop strings", "/v1/completions", {"model": MODEL, "prompt": "hi", "stop": list("abcde")}, 400, "stop",
      None),
@@ -396,9 +512,130 @@ def test_client_disconnect_stops_the_generation(server, client):
     assert engine.started == started + 2 and engine.closed == engine.started
 
 
+def test_n_prompt_batches_echo_and_logprob_shapes(server):
+    base = server[1]
+    status, _, raw = http(base, "/v1/completions", {"model": MODEL, "prompt": ["ab", [3 + ord("c")]], "n": 2,
+                                                    "max_tokens": 3, "echo": True})
+    body = json.loads(raw)
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == ["ab" + expected_text(3)] * 2 + ["c" + expected_text(3)] * 2
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+
+    status, _, raw = http(base, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 3, "logprobs": 0})
+    logprobs = json.loads(raw)["choices"][0]["logprobs"]
+    # "é" is two byte tokens: neither is text on its own (OpenAI writes them as bytes), and both start at offset 1
+    assert logprobs == {"tokens": ["H", "bytes:\\xc3", "bytes:\\xa9"], "token_logprobs": [-0.5] * 3,
+                        "top_logprobs": [None] * 3, "text_offset": [0, 1, 1]}
+
+    # echo with logprobs scores the prompt too: its first token has none, as in OpenAI's API
+    status, _, raw = http(base, "/v1/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 1, "logprobs": 0,
+                                                    "echo": True})
+    choice = json.loads(raw)["choices"][0]
+    assert choice["text"] == "abH" and choice["logprobs"] == {
+        "tokens": ["a", "b", "H"], "token_logprobs": [None, -1.0, -0.5], "top_logprobs": [None] * 3,
+        "text_offset": [0, 1, 2]}
+
+    status, _, raw = http(base, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": 1, "logprobs": True})
+    choice = json.loads(raw)["choices"][0]
+    assert choice["logprobs"] == {"content": [{"token": "H", "logprob": -0.5, "bytes": [72], "top_logprobs": []}]}
+    status, _, raw = http(base, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": 1})
+    assert json.loads(raw)["choices"][0]["logprobs"] is None
+
+
+def test_queue_full_is_503_with_retry_after(server, client):
+    engine, base = server
+    engine.queue_full = True
+    try:
+        status, headers, raw = http(base, "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 3})
+    finally:
+        engine.queue_full = False
+    error = json.loads(raw)["error"]
+    assert status == 503 and headers["retry-after"] == "1"
+    assert (error["type"], error["code"]) == ("server_error", "queue_full") and "queue is full" in error["message"]
+    assert_served(client)
+
+
+def test_request_timeout_cancels_and_reports(server):
+    engine = FakeEngine()
+    with serving(create_app(engine, request_timeout=0.3)) as base:
+        start = time.monotonic()
+        status, _, raw = http(base, "/v1/completions", {"model": MODEL, "prompt": "slow", "max_tokens": 40})
+        assert status == 504 and time.monotonic() - start < 1.5
+        error = json.loads(raw)["error"]
+        assert error["code"] == "timeout" and "request timeout of 0.3 s" in error["message"]
+        status, _, raw = http(base, "/v1/completions",
+                              {"model": MODEL, "prompt": "slow", "max_tokens": 40, "stream": True})
+        events = raw.decode().split("\n\n")
+        assert status == 200 and events[-2] == "data: [DONE]"
+        assert json.loads(events[-3][len("data: "):])["error"]["code"] == "timeout"
+        assert engine.started == engine.closed == 2  # both cancelled in the engine
+        status, _, raw = http(base, "/metrics", method="GET")
+        assert re.search(r"^hybridtron_request_timeouts_total 2$", raw.decode(), re.M)
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=4)
+    http(server[1], "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1})
+    status, headers, raw = http(server[1], "/metrics", method="GET")
+    text = raw.decode()
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for code in (200, 400):
+        assert re.search(rf'^hybridtron_http_responses_total\{{route="/v1/completions",status="{code}"\}} [1-9]', text,
+                         re.M), code
+    for name in ("engine_queue_length", "engine_batch_occupancy", "engine_tokens_per_second",
+                 "engine_mean_acceptance_length", "generation_tokens_total", "time_to_first_token_seconds"):
+        assert re.search(rf"^hybridtron_{name}(\{{[^}}]*\}})? \S+$", text, re.M), name
+
+
+def test_client_gone_before_a_plain_response_frees_the_engine(server, client):
+    """A non-streaming client that gives up: its generation is cancelled, not run to the end."""
+    engine, base = server
+    started = engine.started
+    request = urllib.request.Request(base + "/v1/completions", method="POST", headers={
+        "Content-Type": "application/json"}, data=json.dumps({"model": MODEL, "prompt": "slow",
+                                                              "max_tokens": 100}).encode())
+    with pytest.raises(OSError):  # a 5 s generation; the client waits 0.3 s
+        _opener.open(request, timeout=0.3)
+    deadline = time.monotonic() + 3
+    while engine.closed < started + 1:
+        assert time.monotonic() < deadline, "the generation ran on after its client left"
+        time.sleep(0.05)
+    assert_served(client)
+
+
+def test_shutdown_cancels_what_outlives_the_graceful_timeout():
+    """A 5 s stream in flight, shutdown with a 0.3 s graceful timeout: the stream is cut, its request cancelled in
+    the engine, and the engine's loop stopped."""
+    engine, stop, received = FakeEngine(), [], []
+    with serving(create_app(engine), stop=stop, timeout_graceful_shutdown=0.3) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=20,
+                               http_client=openai.DefaultHttpxClient(trust_env=False))
+
+        def stream():
+            with contextlib.suppress(openai.APIError):
+                for chunk in client.completions.create(model=MODEL, prompt="slow", max_tokens=100, stream=True):
+                    received.append(chunk)
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not received:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        start = time.monotonic()
+        stop[0]()
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - start < 3
+    assert 0 < len(received) < 50 and received[-1].choices[0].finish_reason is None  # cut, not finished
+    assert engine.started == engine.closed and not engine.running
+
+
 # ------------------------------------------------------------------------------------------ the command
 def test_serve_command_wires_the_engine(monkeypatch, tmp_path, capsys):
-    """`hybridtron serve` builds the engine with load_engine(dir, speculative, draft_length, compile), runs uvicorn."""
+    """`hybridtron serve` builds the engine with load_engine(dir, speculative, draft_length, compile, max_queue, ...),
+    names it --served-model-name, and runs uvicorn with the graceful shutdown timeout."""
     import sys
     import types
 
@@ -407,25 +644,30 @@ def test_serve_command_wires_the_engine(monkeypatch, tmp_path, capsys):
     calls = {}
     fake_engine_module = types.ModuleType("hybridtron.infer.engine")
 
-    def load_engine(model_dir, speculative, draft_length, compile):
-        calls["load"] = (model_dir, speculative, draft_length, compile)
+    def load_engine(model_dir, **options):
+        calls["load"] = (model_dir, options)
         return FakeEngine()
 
     fake_engine_module.load_engine = load_engine
     monkeypatch.setitem(sys.modules, "hybridtron.infer.engine", fake_engine_module)
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: calls.setdefault("run", (app, host, port)))
-    assert main(["serve", "--model", str(tmp_path), "--port", "9123", "--no-speculative", "--draft-length", "5"]) == 0
-    assert calls["load"] == (str(tmp_path), False, 5, False)
-    app, host, port = calls["run"]
-    assert (host, port) == ("127.0.0.1", 9123) and app.state.engine.model_name == MODEL
-    assert main(["serve", "--model", str(tmp_path)]) == 0 and calls["load"] == (str(tmp_path), True, 3, False)
-    assert main(["serve", "--model", str(tmp_path), "--compile"]) == 0
-    assert calls["load"] == (str(tmp_path), False, 3, True), "--compile decodes plainly"
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: calls.setdefault("run", (app, host, port, kw)))
+    assert main(["serve", "--model", str(tmp_path), "--port", "9123", "--no-speculative", "--draft-length", "5",
+                 "--max-slots", "8", "--max-queue", "4", "--served-model-name", "mine"]) == 0
+    assert calls["load"] == (str(tmp_path), dict(speculative=False, draft_length=5, compile=False, max_queue=4,
+                                                 max_slots=8))
+    app, host, port, options = calls.pop("run")
+    assert (host, port) == ("127.0.0.1", 9123) and app.state.engine.model_name == "mine"
+    assert options["timeout_graceful_shutdown"] == 30.0
+    assert main(["serve", "--model", str(tmp_path)]) == 0
+    assert calls["load"] == (str(tmp_path), dict(speculative=True, draft_length=None, compile=False, max_queue=256))
+    FakeEngine.model_name = MODEL  # the fake's class attribute was shadowed on one instance only
+    assert calls["run"][0].state.engine.model_name == MODEL
 
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
-    assert main(["serve", "--model", str(tmp_path), "--draft-length", "0"]) == 2
-    assert "--draft-length" in capsys.readouterr().err
+    for bad in (["--draft-length", "0"], ["--max-queue", "-1"], ["--request-timeout", "-1"], ["--port", "70000"]):
+        assert main(["serve", "--model", str(tmp_path), *bad]) == 2
+        assert bad[0] in capsys.readouterr().err
 
 
 def test_missing_fastapi_is_a_clear_error(monkeypatch):

@@ -205,6 +205,11 @@ class CheckpointManager:
         return torch.load(path / "trainer_rank0.pt", weights_only=False)
 
 
+def saved_keys(path: Path) -> set[str]:
+    """The flattened keys of the tensors a checkpoint holds ("optimizer.state.<parameter>.exp_avg", ...)."""
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
 def step_of(path: Path) -> int:
     match = CHECKPOINT_NAME.match(path.name)
     if not match:

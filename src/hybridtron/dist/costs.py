@@ -338,7 +338,7 @@ def mamba_state_bytes(config: ModelConfig) -> float:
     """fp32 SSM state and BF16 conv state of every Mamba layer for one sequence, constant in the context."""
     layers = sum(kind == MAMBA for kind in config.layers_block_type)
     ssm = config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * 4
-    conv = (config.conv_kernel - 1) * (config.mamba_inner_size + 2 * config.n_groups * config.ssm_state_size) * 2
+    conv = (config.conv_kernel - 1) * config.conv_channels * 2
     return layers * (ssm + conv)
 
 

@@ -25,12 +25,10 @@ memory saving is simulated: `memory_bytes()` counts the bytes of the stored form
 the cache's own generator (seeded by `quant_seed`), so a seeded decode stays reproducible.
 
 `hybridtron.infer.decoder.state_quant_drift` measures a mode: the KL from the fp32-cache model over a teacher-forced
-decode. What it showed (2026-11-29, CPU, fp32 models): stochastic rounding wins where rounding errors can build up,
-a long SSM memory and a steady input (random small model, dt in [1e-4, 1e-3], one token repeated, 256 tokens: mean
-KL fp16 SR 9.7e-14 vs RTN 4.0e-12, int8 SR 1.2e-12 vs RTN 1.8e-11; tests/infer/test_cache.py). Where the state
-forgets quickly (the bench's trained Markov-chain model, 1024 tokens: fp16 SR 7.6e-10 vs RTN 1.1e-10, int8 SR 4.8e-7
-vs RTN 3.4e-7) or the input is random, RTN's errors do not accumulate and SR's extra variance makes it the worse of
-the two, by up to 7x. The report's advantage of SR (Table 16) was measured on a large model over long generations.
+decode. Stochastic rounding wins where rounding errors can build up (a long SSM memory and a steady input,
+tests/infer/test_cache.py); where the state forgets quickly or the input is random, RTN's errors do not accumulate
+and SR's extra variance can make it the worse of the two. The measurements are in docs/LOG.md ("inference",
+2026-11-29); the report's advantage of SR (Table 16) was measured on a large model over long generations.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ The serving API (stable; what `hybridtron serve` builds on):
     engine.start()                                   # run the loop in a background thread
     handle = engine.submit(prompt_ids, params, logprobs=None, request_id=None)   # thread-safe; -> RequestHandle
         # raises QueueFull when `max_queue` requests wait, ValueError for a bad prompt or argument
+    handles = engine.submit_samples(prompt_ids, params, n)   # n samples sharing one prefill
     for event in handle: ...                         # TokenEvent(token_id, logprob, top_logprobs, finish_reason),
     async for event in handle.events(): ...          #   the last one with finish_reason "stop" | "length" |
                                                      #   "cancelled" (token_id None when it ended without a token)
@@ -78,7 +79,7 @@ from hybridtron.infer.scheduler import (
 from hybridtron.infer.speculative import (
     DEFAULT_MAX_DRAFT_LENGTH, AcceptanceStats, SpeculativeBatch, SpeculativeDecoder, check_drafter,
 )
-from hybridtron.infer.text import TextStream
+from hybridtron.infer.text import SequenceText, TextStream
 
 __all__ = ["Completion", "EngineError", "EngineStats", "HybridEngine", "QueueFull", "RequestHandle", "TokenEvent",
            "generate_tokens", "load_engine", "make_decoder"]
@@ -213,17 +214,46 @@ class HybridEngine:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, *, logprobs: int | None = None,
                request_id: str | None = None) -> RequestHandle:
         """Queue one request (thread-safe) and return its handle; see the module docstring."""
+        return self.submit_samples(prompt_ids, params, 1, logprobs=logprobs, request_id=request_id)[0]
+
+    def submit_samples(self, prompt_ids: Sequence[int], params: SamplingParams, n: int, *, first_sample: int = 0,
+                       logprobs: int | None = None, request_id: str | None = None) -> list[RequestHandle]:
+        """Queue `n` samples of one prompt (thread-safe), which share its prefill; their handles. Sample j has the
+        noise key of (seed, first_sample + j), as `generate`'s sample j of prompt i has (seed, i * n + j) (the
+        server's choices of a seeded request are `generate`'s samples). QueueFull unless all n fit in the queue;
+        request ids `{request_id}-{j}` when n > 1."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
         if request_id is not None and not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string or None, got {request_id!r}")
         prompt = check_prompts([prompt_ids], self.vocab_size, self.max_context)[0]
-        seq = self.sequence(prompt, params, noise_key(self._seed(params)), logprobs=logprobs is not None,
-                            top_n=logprobs or 0)
-        return self.scheduler.submit([seq], [request_id])[0]
+        seed = self._seed(params)
+        sequences = [self.sequence(prompt, params, noise_key(seed, first_sample + j), logprobs=logprobs is not None,
+                                   top_n=logprobs or 0) for j in range(n)]
+        ids = [request_id] if n == 1 else [None if request_id is None else f"{request_id}-{j}" for j in range(n)]
+        return self.scheduler.submit(sequences, ids)
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], top_n: int = 0) -> list[tuple[float, dict[int, float]]]:
+        """(log p(prompt[t] | prompt[:t]), the top_n most likely tokens there {token: log-prob}) for t = 1.. (the
+        first token has none), under the model's plain distribution (log_softmax of the logits): what scoring a
+        text needs (the server's `echo` with `logprobs`). One forward over the prompt, between two steps of the
+        loop."""
+        if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_n must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_n!r}")
+        prompt = check_prompts([prompt_ids], self.vocab_size, self.max_context)[0]
+        with self.scheduler.step_lock, torch.inference_mode():
+            logits_TV = self.model(torch.tensor([prompt]), mtp=False).logits[0, :-1].float()
+        logprobs_TV = torch.log_softmax(logits_TV, dim=-1)
+        chosen = logprobs_TV.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+        if top_n == 0:
+            return [(value, {}) for value in chosen]
+        values, ids = logprobs_TV.topk(top_n, dim=-1)
+        return [(value, dict(zip(i, v))) for value, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
     def sequence(self, prompt: list[int], params: SamplingParams, key: tuple[int, int], *, logprobs: bool = False,
                  top_n: int = 0, expert_ids: bool = False) -> SequenceState:
@@ -280,18 +310,14 @@ class HybridEngine:
         """(token id, text delta) pairs with stop strings applied; end tokens show no text. The delta of a stop
         token is the held-back text only; the last pair carries whatever was still held back."""
         handle = self.submit(prompt_ids, params)
-        seq = handle.sequence
-        text = TextStream(self.decode, seq.prompt, params.stop, seq.stop_token_ids)
+        text = SequenceText(self.decode, handle.sequence.prompt, params.stop)  # the server's rules too
         events = self._events(handle)
         try:
             for event in events:
-                if event.token_id is None:
-                    return
-                delta, stopped = text.push(event.token_id)
-                if not stopped and event.finish_reason is not None:
-                    delta += text.finish()
-                yield event.token_id, delta
-                if stopped:
+                step = text.push(event.token_id, event.finish_reason)
+                if event.token_id is not None:
+                    yield event.token_id, step.text
+                if step.finish_reason is not None:
                     return
         finally:
             events.close()

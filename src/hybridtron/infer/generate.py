@@ -23,8 +23,8 @@ import time
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="checkpoint directory (config.json, safetensors, tokenizer.json), or a run directory "
-                             "(its hf/ export is used)")
-    parser.add_argument("--prompt", required=True, help="the prompt text")
+                             "(its hf/ export is used); required")
+    parser.add_argument("--prompt", required=True, help="the prompt text (required)")
     parser.add_argument("--max-tokens", type=int, default=128,
                         help="tokens to generate at most (default: %(default)s); prompt + max tokens must fit in "
                              "the model's context")

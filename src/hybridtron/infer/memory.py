@@ -80,7 +80,7 @@ def ssm_state_bytes(config: ModelConfig, dtype: str = "fp32") -> int:
 def conv_state_bytes(config: ModelConfig, dtype: str = "bf16") -> int:
     """Conv state of every Mamba layer for one sequence: the last conv_kernel - 1 inputs of x, B and C."""
     element = _dtype_bytes(dtype, CONV_DTYPES, "conv dtype")
-    channels = config.mamba_inner_size + 2 * config.n_groups * config.ssm_state_size
+    channels = config.conv_channels
     return count_layers(config, MAMBA) * (config.conv_kernel - 1) * channels * element
 
 
@@ -198,6 +198,10 @@ def format_report(report: MemoryReport, name: str) -> str:
     ]
     if r.budget_gib is not None:
         rows.append((f"slots in {r.budget_gib:g} GiB", f"{r.slots_in_budget:,} (and one row staging prefills)"))
+        if r.kv_dtype != r.conv_dtype:
+            # hybridtron's engine keeps both in the model's dtype; fp8 KV is the report's serving figure
+            rows.append(("note", "the engine keeps KV cache and conv state in the model's dtype; for its slots pass "
+                                 "that as --kv-dtype and --conv-dtype (fp32 on a CPU)"))
     header = (f"{name}: {r.attention_layers} attention layers, {r.mamba_layers} Mamba layers; "
               f"context {r.context:,}, batch {r.batch}")
     lines = [header] + [f"  {label + ':':<34}{value}" for label, value in rows]
@@ -207,17 +211,21 @@ def format_report(report: MemoryReport, name: str) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a built-in configuration (default: ultra3 when --config is not given)")
-    parser.add_argument("--config", default=None, help="a checkpoint directory or a config.json instead of --preset")
+    parser.add_argument("--config", default=None,
+                        help="a checkpoint directory or a config.json instead of --preset (default: none)")
     parser.add_argument("--context", type=int, default=None,
                         help="tokens per sequence (default: the model's max_position_embeddings)")
-    parser.add_argument("--batch", type=int, default=1, help="sequences held at once")
-    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp8")
-    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32", help="SSM state dtype")
-    parser.add_argument("--conv-dtype", choices=CONV_DTYPES, default="bf16", help="conv state dtype")
+    parser.add_argument("--batch", type=int, default=1, help="sequences held at once (default: %(default)s)")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp8",
+                        help="KV cache dtype (default: %(default)s)")
+    parser.add_argument("--state-dtype", choices=STATE_DTYPES, default="fp32",
+                        help="SSM state dtype (default: %(default)s)")
+    parser.add_argument("--conv-dtype", choices=CONV_DTYPES, default="bf16",
+                        help="conv state dtype (default: %(default)s)")
     parser.add_argument("--include-mtp", action="store_true", help="count the MTP block's attention KV cache too")
     parser.add_argument("--budget-gib", type=float, default=None,
                         help="also print how many engine slots (sequences decoding at once) fit in this much cache "
-                             "memory, in GiB")
+                             "memory, in GiB; with --include-mtp, a speculative engine's slots (default: none)")
     parser.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
 
 

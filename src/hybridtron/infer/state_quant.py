@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-INT8_BLOCK = 128
+from hybridtron.infer.memory import INT8_BLOCK
+
 INT8_MAX = 127
 FLOAT_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ("fp32", "fp16_sr", "fp16_rtn", "bf16_sr", "bf16_rtn", "int8_sr", "int8_rtn")

@@ -24,7 +24,7 @@ from torch import nn
 
 from hybridtron.config import ModelConfig
 from hybridtron.model.norm import GatedGroupRMSNorm
-from hybridtron.model.state import MambaState, conv_channels
+from hybridtron.model.state import MambaState
 from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step
 
 
@@ -38,7 +38,7 @@ class Mamba2Mixer(nn.Module):
         self.chunk_size = config.chunk_size
         self.time_step_limit = config.time_step_limit
         self.inner_size = config.mamba_inner_size
-        self.conv_channels = conv_channels(config)
+        self.conv_channels = config.conv_channels
         self.in_proj = nn.Linear(config.hidden_size, self.inner_size + self.conv_channels + self.num_heads,
                                  bias=config.use_bias)
         self.conv1d = nn.Conv1d(self.conv_channels, self.conv_channels, config.conv_kernel,

@@ -22,11 +22,6 @@ import torch
 from hybridtron.config import ATTENTION, MAMBA, ModelConfig
 
 
-def conv_channels(config: ModelConfig) -> int:
-    """Channels of the Mamba conv: x (inner width) and the B and C of every group."""
-    return config.mamba_inner_size + 2 * config.n_groups * config.ssm_state_size
-
-
 @dataclass
 class KVCache:
     k_BHTD: torch.Tensor  # [batch, kv heads, max_len, head_dim]
@@ -50,7 +45,7 @@ def allocate_layers(config: ModelConfig, batch: int, max_len: int, *, dtype=torc
                                   torch.zeros(shape, dtype=dtype, device=device)))
         elif kind == MAMBA:
             layers.append(MambaState(
-                torch.zeros(batch, conv_channels(config), config.conv_kernel - 1, dtype=dtype, device=device),
+                torch.zeros(batch, config.conv_channels, config.conv_kernel - 1, dtype=dtype, device=device),
                 torch.zeros(batch, config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size,
                             dtype=state_dtype, device=device)))
         else:

@@ -41,9 +41,10 @@ The run directory (the rules of every training command: hybridtron.train.run):
 
     run_config.json   --model, --env and the resolved [model], [grpo], [train], [monitor]
     metrics.jsonl     one line per step: loss, policy_loss, mtp_loss_<d>, reward_mean/std/zero_share/one_share,
-                      response_length, clip_fraction, ratio_mean, is_mismatch, is_out_of_bounds_share, kl, entropy,
-                      groups_trained/dropped, rollout_tokens_per_s, mtp_acceptance_length, rollout_wait_s,
-                      policy_staleness, tokens_per_s, ...; pass_at_1 (and per level) on evaluation steps
+                      response_length, clip_fraction, ratio_mean, is_mismatch, is_out_of_bounds_share, entropy,
+                      kl (to the initial model, with grpo.kl_coef > 0 or grpo.reference_kl), groups_trained/dropped,
+                      rollout_tokens_per_s, mtp_acceptance_length, rollout_wait_s, policy_staleness, tokens_per_s,
+                      ...; pass_at_1 (and per level) on evaluation steps
     events.jsonl      the stability monitor's detections and actions
     checkpoints/      DCP checkpoints (the rollout side's curriculum and in-flight batches included)
     hf/               the trained policy: config.json, safetensors, tokenizer files with the chat template
@@ -113,6 +114,8 @@ class GRPOConfig:
     eps_clip_high: float = 0.28
     dual_clip: float | None = None  # none, or c > 1: the loss of A < 0 tokens capped at -c A (3 in Ye et al.)
     kl_coef: float = 0.0  # weight of the k3 KL to the frozen initial model (0 in the recipe; > 0 keeps a copy)
+    reference_kl: bool = False  # log `kl` (k3 to the frozen initial model) even with kl_coef = 0: how far the
+    #   policy has moved; costs a copy of the model and one no-grad forward a micro-batch
     entropy_coef: float = 0.0  # weight of the entropy bonus (0 in the recipe)
     advantage_mode: str = "zscore"  # zscore (GRPO), leave_one_out (RLOO, NeMo-RL), mean_only (Dr.GRPO)
     advantage_eps: float = 1e-6  # z-score: A = (r - mean) / (std + eps)
@@ -315,7 +318,7 @@ class GRPOObjective:
     """The GRPO loss of a micro-batch of rollouts (`hybridtron.post.rollout.RolloutMicroBatch`), as a `Trainer`
     objective; see the module docstring.
 
-    `reference`: the frozen initial model, for the k3 KL (only when kl_coef > 0). `data_sum` (data parallelism):
+    `reference`: the frozen initial model, for the k3 KL (kl_coef > 0, or only logged: reference_kl). `data_sum` (data parallelism):
     sums a tensor over the data-parallel ranks in place; the step's counts of policy and MTP tokens go through it,
     so that each rank's share is normalised by the global count. `mtp_depths`: the model's.
 
@@ -499,7 +502,7 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
 
     model = load_pretrained(config.base_model, config=model_config, dtype=torch.float32)
     reference = None
-    if grpo.kl_coef > 0:
+    if grpo.kl_coef > 0 or grpo.reference_kl:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
     async_mode = grpo.async_rollouts
     staleness = grpo.staleness if async_mode else 0

@@ -305,7 +305,9 @@ class RolloutRole(Role):
         totals["grade_s"] += time.perf_counter() - started
         totals["rewards"] += rewards
         rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(picked), cfg.group_size)
-        advantages_PG = group_advantages(rewards_PG, mode=cfg.advantage_mode, eps=cfg.advantage_eps)
+        # G = 1 (MOPD): no group baseline; the learner's advantages come from a teacher, not from these rewards
+        advantages_PG = group_advantages(rewards_PG, mode=cfg.advantage_mode, eps=cfg.advantage_eps) \
+            if cfg.group_size > 1 else torch.zeros_like(rewards_PG)
         groups = []
         for p, (i, samples) in enumerate(zip(picked, completions)):
             task = self.tasks[i]
@@ -329,7 +331,8 @@ class RolloutMicroBatch:
     IGNORE_INDEX on the prompt and the padding; rollout_logprobs [B, L] beside them (0 elsewhere); advantages [B];
     trained [B]: False for rows of groups whose rewards all agree (they carry no signal and are kept out of the
     policy loss); valid [B, L]: not padding; expert_ids {router: [B, L, K]} (padding: experts 0..K-1); scores
-    {name: [B, L]}; stats: the batch's rollout statistics (the same for every micro-batch of the step)."""
+    {name: [B, L]}; stats: the batch's rollout statistics (the same for every micro-batch of the step); domains:
+    each row's task domain (per-domain metrics: MOPD's reverse KL to each domain's teacher)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -340,6 +343,7 @@ class RolloutMicroBatch:
     expert_ids: dict[str, torch.Tensor] | None
     scores: dict[str, torch.Tensor]
     stats: dict[str, float]
+    domains: list[str] = field(default_factory=list)
 
     @property
     def completion_mask(self) -> torch.Tensor:
@@ -403,7 +407,7 @@ def _pack_rows(rollouts: list[Rollout], trained: list[bool], stats: dict, pad_id
         input_ids=input_ids, labels=labels, rollout_logprobs=rollout_logprobs,
         advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
         trained=torch.tensor(trained, dtype=torch.bool), valid=valid, expert_ids=expert_ids, scores=scores,
-        stats=dict(stats))
+        stats=dict(stats), domains=[r.domain for r in rollouts])
 
 
 # ------------------------------------------------------------------------------------ the learner's end

@@ -21,6 +21,9 @@ The recipe (Nemotron 3 Ultra's first post-training stage, at any scale):
 - The same trainer as pretraining (hybridtron.train.loop), its stability monitor, DCP checkpoints that resume bit
   for bit, metrics.jsonl and progress bar; validation is the held-out conversations' masked CE (`HeldOutLoss`), at
   step 0, every `train.val_every` steps and at the end.
+- Under torchrun (`torchrun --nproc-per-node N -m hybridtron sft ...`) the `[dist]` section lays the model out
+  as pretraining does (hybridtron.dist: FSDP2, TP, EP, PP); each data-parallel rank trains on its rows of every
+  micro-batch and the token mean is over the whole global batch, so the losses are those of one process.
 - [model] is the checkpoint's (its config.json); SFT does not change it. [train] has SFT's own defaults
   (`SFT_TRAIN`: 800 steps, peak LR 2e-3 after a 10-step warmup, the last 20% decaying), [sft] rows of 256 tokens.
 
@@ -46,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridtron.config import ModelConfig
+from hybridtron.dist.config import DistConfig
 
 if TYPE_CHECKING:  # imported with torch, when a run starts
     from hybridtron.train.config import TrainConfig
@@ -98,9 +102,10 @@ class SFTRunConfig:
     sft: SFTConfig
     train: TrainConfig
     monitor: MonitorConfig
+    dist: DistConfig = DistConfig()  # the layout under torchrun (hybridtron.dist; pretraining's [dist])
 
     def sections(self) -> dict:
-        return {"sft": self.sft, "train": self.train, "monitor": self.monitor}
+        return {"sft": self.sft, "train": self.train, "monitor": self.monitor, "dist": self.dist}
 
     def to_dict(self) -> dict:
         from hybridtron.train.config import _plain
@@ -133,14 +138,15 @@ class SFTRunConfig:
             raise ValueError(f"{path}: not the run config of an SFT run (no {', '.join(missing)})")
         return cls(base_model=raw["base_model"], data=raw["data"], model=ModelConfig.from_hf(raw["model"]),
                    sft=_build(SFTConfig, raw["sft"], "sft"), train=_build(TrainConfig, raw["train"], "train"),
-                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"))
+                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"),
+                   dist=_build(DistConfig, raw.get("dist", {}), "dist"))
 
 
 def default_sections() -> dict:
     from hybridtron.train.config import TrainConfig
     from hybridtron.train.monitor.config import MonitorConfig
 
-    return {"sft": SFTConfig(), "train": TrainConfig(**SFT_TRAIN), "monitor": MonitorConfig()}
+    return {"sft": SFTConfig(), "train": TrainConfig(**SFT_TRAIN), "monitor": MonitorConfig(), "dist": DistConfig()}
 
 
 def _same_source(given: str, kept: str) -> bool:
@@ -292,12 +298,18 @@ class HeldOutLoss:
         model = trainer.model
         was_training = model.training
         model.eval()
+        parallel = getattr(trainer, "parallel", None)
+        pipeline = parallel.pipeline if parallel is not None else None  # pp > 1: stage by stage
+        device = parallel.device if parallel is not None else None
         total, count = 0.0, 0
         with torch.no_grad():
             for input_ids, labels in self.batches:
+                if device is not None:
+                    input_ids, labels = input_ids.to(device), labels.to(device)
                 n = int((labels != IGNORE_INDEX).sum())
                 with trainer.autocast():
-                    total += float(model(input_ids, labels, mtp=False).lm_loss) * n
+                    total += (pipeline.lm_loss(input_ids, labels) if pipeline is not None else
+                              float(model(input_ids, labels, mtp=False).lm_loss)) * n
                 count += n
         model.train(was_training)
         value = total / count
@@ -335,34 +347,43 @@ def load_conversations(source: str, config: SFTConfig) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------- the run
-def build_trainer(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, stream=sys.stderr):
+def build_trainer(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, stream=None):
     """The SFT run of `config` in `out`: the model of --model with its chat tokenizer, the data, the trainer.
     Returns (trainer, tokenizer)."""
+    stream = sys.stderr if stream is None else stream  # the stderr of the moment, not of import time
     import torch
 
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
     from hybridtron.data.sft import build_sft_data
-    from hybridtron.train.run import assemble_trainer, prepare_process
+    from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
 
     train, sft = config.train, config.sft
     model_config = config.model
     if train.mtp_loss_weight is not None:
         model_config = model_config.replace(mtp_loss_weight=train.mtp_loss_weight)
+    # under torchrun: every rank builds the same data and model; each data-parallel rank trains on its rows of
+    # every micro-batch and the loss is normalised by the trained tokens of the whole global batch
+    parallel = start_parallel(config.dist, model_config, batch_size=sft.batch_size, grad_accum=train.grad_accum,
+                              seq_len=sft.seq_len)
+    main = parallel is None or parallel.is_main
+    quiet = quiet or not main
     tokenizer = load_chat_tokenizer(config.base_model, vocab_size=model_config.vocab_size)
     prepare_process(train, model_config, sft.seq_len * sft.batch_size, stream)
 
     data = build_sft_data(load_conversations(config.data, sft), tokenizer, sft.data_config())
-    (out / "sft_data.json").write_text(json.dumps(data.stats.to_dict(), indent=2))
+    if main:
+        (out / "sft_data.json").write_text(json.dumps(data.stats.to_dict(), indent=2))
     if not quiet:
         print(data.stats.format(), file=stream)
 
     model = load_pretrained(config.base_model, config=model_config, dtype=torch.float32)
-    objective = SFTObjective(model_config.mtp_num_depths if model_config.has_mtp else 0)
+    depths = model_config.mtp_num_depths if model_config.has_mtp else 0
+    objective = SFTObjective(depths, data_sum=parallel.sum_over_data if parallel is not None else None)
     evaluators = [HeldOutLoss(data.val_batches, train.val_every)] if data.val_batches else []
     trainer = assemble_trainer(model, objective, data.train_loader, evaluators, train=train,
                                monitor_config=config.monitor, out=out, checkpoints=checkpoints, quiet=quiet,
-                               stream=stream)
+                               stream=stream, parallel=parallel)
     return trainer, tokenizer
 
 
@@ -381,19 +402,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from hybridtron.data.chat import save_tokenizer_files
+    from hybridtron.dist.mesh import check_run_layout, world_from_env
     from hybridtron.train.run import export_model, print_summary, train_in_run_dir
 
     config = resolve_config(args)
     if args.print_config:
         print(config.to_toml(), end="")
         return 0
+    check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=config.sft.batch_size,
+                     grad_accum=config.train.grad_accum, seq_len=config.sft.seq_len)  # before anything is written
     result = train_in_run_dir(args, config, SFTRunConfig.load, lambda out, checkpoints: build_trainer(
         config, out, checkpoints, quiet=args.quiet))
     if result is None:  # the run in --out was already complete
         return 0
     trainer, tokenizer = result
     out = Path(args.out)
-    if export_model(trainer, out / "hf"):
+    if export_model(trainer, out / "hf"):  # gathered from the shards under torchrun; rank 0 writes
         save_tokenizer_files(tokenizer, out / "hf", model_max_length=config.model.max_position_embeddings)
         print_summary(trainer, out, out / "hf")
+    if trainer.parallel is not None:
+        trainer.parallel.close()
     return 0

@@ -30,9 +30,9 @@ import time
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from hybridtron.checkpoint.dcp import CheckpointManager
+from hybridtron.checkpoint.dcp import CheckpointManager, saved_keys
 from hybridtron.dist.expert_parallel import dropped_shares
 from hybridtron.dist.state import checkpoint_state
 from hybridtron.dist.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics
@@ -325,9 +325,17 @@ class Trainer:
         if self.checkpoints is not None:
             self.checkpoints.wait()
         tensors = self.tensor_state()
+        # AdamW holds no state for a parameter that never had a gradient (a part of the model the objective does
+        # not train, e.g. the MTP block under SFT without its loss); keep those fresh rather than ask the
+        # checkpoint for state it never saved
+        saved = saved_keys(path)
+        optimizer_state = tensors["optimizer"]["state"]
+        for name in [name for name in optimizer_state if f"optimizer.state.{name}.step" not in saved]:
+            del optimizer_state[name]
         state = CheckpointManager.load(path, self.checkpoint_state(tensors))  # loads in place into `tensors`
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict=tensors["optimizer"])
+                       optim_state_dict=tensors["optimizer"],  # not strict: the fresh parameters above; a missing
+                       options=StateDictOptions(strict=False))  # model tensor already failed in dcp.load
         self.step = state["step"]
         self.schedule.load_state_dict(state["schedule"])
         self.batches.load_state_dict(state["batches"])

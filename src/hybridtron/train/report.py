@@ -402,7 +402,8 @@ def plot_rl(data: RunData) -> str:
     figure, grid = plt.subplots(2, 2, figsize=(10, 6), dpi=90)
     (rewards, lengths), (policy, speed) = grid
     panels = (
-        (rewards, "rewards (train rollouts) and held-out pass@1", ("reward_mean", "reward_one_share", "pass_at_1")),
+        (rewards, "rewards (train rollouts) and held-out pass@1", ("reward_mean", "reward_std", "reward_one_share",
+                                                                    "pass_at_1")),
         (lengths, "completion length (tokens)", ("response_length", "response_length_max", "eval_response_length")),
         (policy, "policy and rollout-vs-trainer statistics (log)", ("is_mismatch", "is_out_of_bounds_share", "clip_fraction",
                                                               "kl", "entropy")),

@@ -151,7 +151,7 @@ def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: in
     return init_parallel(dist_config, model_config, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
 
 
-def prepare_process(train, model_config, micro_batch_tokens: int, stream=sys.stderr) -> None:
+def prepare_process(train, model_config, micro_batch_tokens: int, stream=None) -> None:
     """Before anything is built: refuse a run that cannot fit in memory, warn of a slow bf16 CPU, set the thread
     count and the seed (model initialization and everything after it draw from it)."""
     import torch
@@ -162,19 +162,20 @@ def prepare_process(train, model_config, micro_batch_tokens: int, stream=sys.std
     check_memory(model_config, micro_batch_tokens, device, "this run")
     warning = bf16_warning(train.precision, device)
     if warning:
-        print(warning, file=stream)
+        print(warning, file=sys.stderr if stream is None else stream)
     if train.threads:
         torch.set_num_threads(train.threads)
     torch.manual_seed(train.seed)
 
 
 def assemble_trainer(model, objective, loader, evaluators, *, train, monitor_config, out: Path, checkpoints,
-                     quiet: bool, stream=sys.stderr, parallel=None):
+                     quiet: bool, stream=None, parallel=None):
     """A `Trainer` for `model` as every training command runs it: the precision policy applied, the model
     parallelized (`train.compile`, `train.recompute`, and under torchrun the `[dist]` layout of `parallel`), the
     stability monitor (and its fault injector, which may corrupt the loader's batches), `grad_accum`
     micro-batches a step from `loader` (this rank's rows of them), metrics.jsonl and, unless `quiet`, the progress
     bar (both on global rank 0 only)."""
+    stream = sys.stderr if stream is None else stream  # the stderr of the moment, not of import time
     import torch
 
     from hybridtron.dist.parallelize import parallelize
@@ -230,6 +231,10 @@ def train_in_run_dir(args, config, load_config: Callable[[Path], Any], build: Ca
 
     if not args.out:
         raise ValueError("--out is required: the run directory to create (e.g. --out runs/mine)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not hasattr(config, "dist"):  # N unsharded copies would each train and write the run dir
+        raise ValueError(f"this command does not shard its training over processes yet (its config has no [dist] "
+                         f"section), but torchrun started {world}; run it as one process")
     out = Path(args.out)
     checkpoints = CheckpointManager(out / "checkpoints", keep=config.train.keep_checkpoints)
     main = is_main_process()

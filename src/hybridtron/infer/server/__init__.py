@@ -1,0 +1,146 @@
+"""Serve a checkpoint with an OpenAI-compatible HTTP API (vLLM's OpenAI server is the anchor): `hybridtron serve`.
+
+    hybridtron serve --model DIR [--host 127.0.0.1 --port 8000 --served-model-name NAME --api-key KEY ...]
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models[/{id}]`, `GET /health`, and
+`GET /metrics` (Prometheus text: responses by route and status, tokens, latency and time to first token, queue
+length, batch occupancy, tokens/s, speculative acceptance length).
+
+What a request may ask (OpenAI's fields, and vLLM's `top_k` and `stop_token_ids`): `n` samples per prompt, a list
+of prompts (completions), `logprobs` (completions: an integer k, OpenAI's `tokens` / `token_logprobs` /
+`top_logprobs` / `text_offset`; chat: `logprobs: true` and `top_logprobs: k`, OpenAI's `content` list with `bytes`),
+`echo` (with `logprobs`, the prompt's tokens are scored too, from one forward: `HybridEngine.prompt_logprobs`),
+`seed`, `stop`, `max_tokens` (a prompt plus max_tokens beyond the context is a 400 that states the limit),
+`stream` with `stream_options.include_usage`. Log-probabilities of generated tokens are those of the distribution
+each was drawn from (`hybridtron.infer.scheduler.TokenEvent`). The `n` samples of a prompt share its prefill, and a
+seeded request is reproducible: choice i * n + j is `HybridEngine.generate(prompts, params, n)[i][j]`.
+
+Every request runs on the engine's continuous-batching loop (`hybridtron.infer.scheduler`): it joins the running
+batch between two steps and leaves it when it finishes, so concurrent requests share each forward. The chat
+template is the one the trainers use (`hybridtron.data.chat`). Text, stop strings and the end of a sequence's text
+follow `hybridtron.infer.text.SequenceText`, as in `hybridtron generate`.
+
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed request, naming
+the field (pydantic models with `extra="forbid"`, `protocol.py`), 401 without the `--api-key`, 404 for an unknown
+model or route, 503 (with Retry-After) when the engine's bounded queue (`--max-queue`) is full, 504 when a request
+runs past `--request-timeout` (it is cancelled), 500 if the model fails (the server keeps serving). A client that
+disconnects, streaming or not, frees its slot at the next step. Shutdown (SIGINT / SIGTERM) stops accepting
+connections, lets in-flight requests finish for `--shutdown-timeout` seconds, cancels the rest and stops the loop.
+
+Layout: this module is the command (its imports stay light, so `--help` is fast); `protocol.py` the request models
+and their errors; `app.py` the FastAPI application (`create_app(engine)`). FastAPI and uvicorn are imported only
+when a server is built (`pip install 'hybridtron[serve]'`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+API_KEY_ENV = "HYBRIDTRON_API_KEY"
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
+
+
+def require_serving_dependencies() -> None:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"hybridtron serve needs FastAPI and uvicorn ({exc.name} is missing): "
+                          f"pip install 'hybridtron[serve]'") from None
+
+
+def create_app(engine, **options):
+    """The FastAPI application serving `engine` (`hybridtron.infer.server.app.create_app`)."""
+    require_serving_dependencies()
+    from hybridtron.infer.server.app import create_app as build
+
+    return build(engine, **options)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="checkpoint directory (Hugging Face layout), or a run directory (its hf/ export); "
+                             "required")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; 0.0.0.0 for every interface (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's name in the API (default: the checkpoint's directory name, or the run's)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/ routes (401 without it; default: "
+                             f"${API_KEY_ENV} if set, else no authentication)")
+    parser.add_argument("--no-speculative", action="store_true",
+                        help="decode one token per forward instead of drafting with the MTP block")
+    parser.add_argument("--draft-length", type=int, default=None,
+                        help="tokens the MTP block drafts per step (default: adapted to the measured acceptance, "
+                             "off where drafting does not pay)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decode steps with torch.compile (the first requests of each batch shape "
+                             "wait for a compile)")
+    parser.add_argument("--max-slots", type=int, default=None,
+                        help="sequences decoding at once (default: the engine's, 64; or what --memory-budget-gib "
+                             "holds)")
+    parser.add_argument("--memory-budget-gib", type=float, default=None,
+                        help="size the slots to this much KV cache and SSM state memory (default: none; see "
+                             "hybridtron memory --budget-gib)")
+    parser.add_argument("--max-queue", type=int, default=256,
+                        help="requests waiting for a slot at most; beyond it a request gets 503 (default: "
+                             "%(default)s)")
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
+                        help="seconds a request may run before it is cancelled with 504; 0 = no limit (default: "
+                             "%(default)s)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="at shutdown, seconds in-flight requests may take to finish before they are cancelled "
+                             "(default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's, one per core)")
+
+
+def _check(args) -> None:
+    if args.draft_length is not None and args.draft_length < 1:
+        raise ValueError(f"--draft-length must be >= 1, got {args.draft_length}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for name in ("max_slots", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    for name in ("request_timeout", "shutdown_timeout"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 seconds, got {getattr(args, name)}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ValueError("--served-model-name must not be empty")
+    if not Path(args.model).is_dir():
+        raise FileNotFoundError(f"{args.model}: no such checkpoint directory")
+
+
+def run(args) -> int:
+    _check(args)
+    try:
+        require_serving_dependencies()
+    except ImportError as exc:
+        print(f"hybridtron serve: error: {exc}", file=sys.stderr)
+        return 2
+    import torch
+    import uvicorn
+
+    from hybridtron.infer.engine import load_engine
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    options = {name: getattr(args, name) for name in ("max_slots", "memory_budget_gib")
+               if getattr(args, name) is not None}
+    engine = load_engine(args.model, speculative=not args.no_speculative, draft_length=args.draft_length,
+                         compile=args.compile, max_queue=args.max_queue, **options)
+    if args.served_model_name is not None:
+        engine.model_name = args.served_model_name
+    app = create_app(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                     request_timeout=args.request_timeout or None)
+    print(f"hybridtron serve: {engine.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0

@@ -1,0 +1,148 @@
+"""The teachers of multi-teacher on-policy distillation: which teacher scores which prompt, and the role that
+scores the student's rollouts.
+
+- `TeacherPanel`: a static map domain -> teacher checkpoint (`--teachers math=DIR,code=DIR`), with a general
+  fallback (`--general DIR`: in Ultra's recipe the RLVR student itself) for a domain that has no teacher of its own.
+  A domain with neither is an error, raised before anything trains (`check_domains`), never a silent skip.
+- `TeacherScoringRole`: the pipeline stage between rollout and learning (hybridtron.post.roles). For every
+  rollout it runs the teacher of the rollout's domain over prompt + completion and stores the teacher's log-prob
+  of each completion token in `Rollout.scores["teacher"]`, the log pi_T(y_t | s_t) of the MOPD advantage. The
+  teachers are frozen (eval mode, no gradients) and take no weights from the learner; rows are batched per
+  teacher, sorted by length so that padding stays small (right padding: causal layers never see it).
+
+The teachers must share the student's tokenizer (they are made from the same base: the README's teacher recipes,
+the math_teacher and code_teacher stages of `hybridtron pipeline`): their log-probs are of the student's token ids.
+The log-probs are taken at the rollouts' sampling temperature (1 by default), without the top-k / top-p filters:
+a filtered teacher would give -inf to any token outside its nucleus.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridtron.post.roles import Role
+from hybridtron.post.rollout import Rollout, RolloutBatch
+
+TEACHER_SCORE = "teacher"  # the name of the teacher's per-token log-probs in Rollout.scores
+TEACHER_ROLE = "teachers"
+
+
+@dataclass(frozen=True)
+class TeacherPanel:
+    """domain -> teacher checkpoint directory, and the fallback for other domains (None: no fallback)."""
+
+    teachers: dict[str, str] = field(default_factory=dict)
+    general: str | None = None
+
+    @classmethod
+    def parse(cls, text: str | None, general: str | None = None) -> "TeacherPanel":
+        """`--teachers math=DIR,code=DIR` (and `--general DIR`), each directory checked to be a checkpoint."""
+        teachers: dict[str, str] = {}
+        for item in (text or "").split(","):
+            item = item.strip()
+            if not item:
+                continue
+            domain, sep, directory = item.partition("=")
+            domain, directory = domain.strip(), directory.strip()
+            if not sep or not domain or not directory:
+                raise ValueError(f"--teachers: {item!r} is not DOMAIN=DIR; expected e.g. --teachers "
+                                 "math=runs/math_teacher/hf,code=runs/code_teacher/hf")
+            if domain in teachers:
+                raise ValueError(f"--teachers: domain {domain!r} is given twice ({teachers[domain]} and {directory})")
+            teachers[domain] = directory
+        if not teachers and general is None:
+            raise ValueError("--teachers is required: DOMAIN=DIR pairs, e.g. --teachers math=DIR,code=DIR (and/or "
+                             "--general DIR, the fallback teacher)")
+        panel = cls(teachers, general)
+        for flag, directory in panel.flags():
+            check_checkpoint(directory, flag)
+        return panel
+
+    def flags(self) -> list[tuple[str, str]]:
+        """(the option naming it, directory) of every teacher, for messages."""
+        pairs = [(f"--teachers {domain}=", directory) for domain, directory in self.teachers.items()]
+        return pairs + ([("--general ", self.general)] if self.general is not None else [])
+
+    def teacher_for(self, domain: str) -> str:
+        if domain in self.teachers:
+            return self.teachers[domain]
+        if self.general is not None:
+            return self.general
+        raise ValueError(f"domain {domain!r} has no teacher: --teachers names {', '.join(self.teachers) or 'none'} "
+                         f"and there is no --general fallback")
+
+    def check_domains(self, domains: list[str]) -> None:
+        """Every domain the prompts come from has a teacher, and every teacher a domain that will use it."""
+        for domain in domains:
+            self.teacher_for(domain)
+        unused = [domain for domain in self.teachers if domain not in domains]
+        if unused:
+            raise ValueError(f"--teachers names the domain(s) {', '.join(unused)}, but no environment of mopd.envs "
+                             f"has them (their domains: {', '.join(domains)}); add the environment or drop the teacher")
+
+    def directories(self) -> list[str]:
+        """The distinct checkpoints of the panel (a teacher serving two domains is loaded once)."""
+        return list(dict.fromkeys([*self.teachers.values(), *([self.general] if self.general else [])]))
+
+
+def check_checkpoint(directory: str, flag: str) -> None:
+    path = Path(directory)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{flag}{directory}: no such checkpoint directory")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{flag}{directory}: not an HF checkpoint (no config.json)")
+
+
+class TeacherScoringRole(Role):
+    """Adds `scores["teacher"]` to every rollout of a batch (see the module docstring). Built from plain values:
+    the panel's `teachers` and `general`, the rollouts' `temperature`, and `batch_size` rows per forward."""
+
+    name = TEACHER_ROLE
+
+    def __init__(self, *, teachers: dict[str, str], general: str | None, temperature: float = 1.0,
+                 batch_size: int = 16, threads: int = 0):
+        from hybridtron.checkpoint import load_pretrained
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.panel = TeacherPanel(dict(teachers), general)
+        self.temperature, self.batch_size = temperature, batch_size
+        self.models = {directory: load_pretrained(directory, dtype=torch.float32).eval().requires_grad_(False)
+                       for directory in self.panel.directories()}
+
+    def step(self, batch: RolloutBatch) -> RolloutBatch:
+        started = time.perf_counter()
+        by_teacher: dict[str, list[Rollout]] = {}
+        for rollout in batch.rollouts:
+            by_teacher.setdefault(self.panel.teacher_for(rollout.domain), []).append(rollout)
+        for directory, rollouts in by_teacher.items():
+            rollouts = sorted(rollouts, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
+            for start in range(0, len(rollouts), self.batch_size):
+                self.score(self.models[directory], rollouts[start:start + self.batch_size])
+        batch.stats["teacher_seconds"] = time.perf_counter() - started
+        return batch
+
+    @torch.no_grad()
+    def score(self, model, rollouts: list[Rollout]) -> None:
+        """The teacher's log-prob of each completion token, into each rollout's scores (float32 [C])."""
+        from hybridtron.ops.cross_entropy import IGNORE_INDEX
+        from hybridtron.post.grpo import sampled_logprobs
+
+        lengths = [len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts]
+        pad = model.config.pad_token_id or 0
+        input_ids = torch.full((len(rollouts), max(lengths)), pad, dtype=torch.long)
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        for b, r in enumerate(rollouts):
+            full = torch.tensor(r.prompt_ids + r.completion_ids, dtype=torch.long)
+            P = len(r.prompt_ids)
+            input_ids[b, :lengths[b]] = full[:-1]
+            labels[b, P - 1:lengths[b]] = full[P:]
+        logits = model(input_ids, mtp=False).logits
+        logp = sampled_logprobs(logits, labels, self.temperature)
+        for b, r in enumerate(rollouts):
+            P = len(r.prompt_ids)
+            r.scores[TEACHER_SCORE] = logp[b, P - 1:lengths[b]].clone()

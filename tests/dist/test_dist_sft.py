@@ -1,0 +1,98 @@
+"""`torchrun ... -m hybridtron sft` shards the learner as pretraining does: on 2 processes with DP 2 x EP 2 the
+per-step losses, trained-token counts, gradient norms and held-out losses are those of one process on the same
+global batches (1e-5, fp32), rank 0 alone writes the run directory, and a command that does not shard refuses to
+run under torchrun before it writes anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridtron.checkpoint import load_pretrained, save_pretrained
+from hybridtron.cli import main as cli_main
+from hybridtron.config import ModelConfig, parse_pattern
+from hybridtron.data.chat import save_tokenizer_files
+from hybridtron.data.tokenizer import Tokenizer
+from hybridtron.model.lm import HybridLM
+from hybridtron.post.sft import SFTConfig, load_conversations
+
+STEPS = 4
+TOLERANCE = 1e-5
+FAST = ["--steps", str(STEPS), "--data", "env:math", "--quiet", "--set", "sft.env_examples=48",
+        "--set", "sft.env_levels=1,2", "--set", "sft.seq_len=64", "--set", "sft.batch_size=4",
+        "--set", "sft.val_batches=1", "--set", "sft.val_fraction=0.1", "--set", "train.val_every=2",
+        "--set", "train.checkpoint_every=2", "--set", "train.warmup_steps=1", "--set", "train.grad_accum=2",
+        "--set", "train.lr=1e-3", "--set", "train.threads=1"]
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory) -> Path:
+    """A small random model (8 experts, so EP 2 splits them) with a chat tokenizer, as an HF checkpoint."""
+    conversations = load_conversations("env:math", SFTConfig(env_examples=48, env_levels=(1, 2)))
+    texts = [m["content"] for c in conversations for m in c["messages"]] * 4
+    tokenizer = Tokenizer.train(texts, 512)
+    directory = tmp_path_factory.mktemp("sft_base") / "hf"
+    torch.manual_seed(0)
+    config = ModelConfig(
+        vocab_size=512, hidden_size=48, layers_block_type=parse_pattern("M*E-ME"), num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
+        ssm_state_size=8, conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=24, moe_shared_expert_intermediate_size=32, moe_latent_size=16,
+        routed_scaling_factor=2.5, n_group=4, topk_group=2, num_nextn_predict_layers=1, mtp_num_depths=2,
+        max_position_embeddings=256)
+    save_pretrained(HybridLM(config), directory)
+    save_tokenizer_files(tokenizer, directory, model_max_length=256)
+    return directory
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.filterwarnings("ignore:SFT data")  # long conversations truncated to the short test rows
+def test_sft_on_two_processes_matches_one_process(base_model, tmp_path):
+    assert cli_main(["sft", "--model", str(base_model), "--out", str(tmp_path / "single"), *FAST]) == 0
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "hybridtron", "sft", "--model", str(base_model), "--out", str(tmp_path / "world2"), *FAST,
+               "--set", "dist.ep=2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=220,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    single, world2 = records(tmp_path / "single"), records(tmp_path / "world2")
+    assert [r["step"] for r in world2] == [r["step"] for r in single]  # one writer: no line twice
+    trained = [r for r in single if "loss" in r]
+    assert len(trained) == STEPS and any("val_loss" in r for r in single)
+    for got, want in zip(world2, single):
+        for key in ("loss", "lm_loss", "mtp_loss_1", "mtp_loss_2", "trained_tokens", "val_loss", "grad_norm"):
+            if key in want:
+                scale = abs(want[key]) if key in ("grad_norm", "trained_tokens") else 1.0
+                assert abs(got[key] - want[key]) <= TOLERANCE * scale, (want["step"], key, got[key], want[key])
+    assert json.loads((tmp_path / "world2" / "run_config.json").read_text())["dist"]["ep"] == 2
+    ours, theirs = load_pretrained(tmp_path / "world2" / "hf"), load_pretrained(tmp_path / "single" / "hf")
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
+    assert (tmp_path / "world2" / "hf" / "tokenizer_config.json").is_file()
+
+
+def test_a_command_that_does_not_shard_refuses_to_run_under_torchrun(base_model, tmp_path, capsys, monkeypatch):
+    """GRPO's learner is not sharded yet (its rollouts read the unsharded policy): N processes would be N
+    independent runs writing one directory, so it stops before writing anything."""
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
+    out = tmp_path / "grpo"
+    assert cli_main(["grpo", "--model", str(base_model), "--env", "math", "--out", str(out), "--quiet"]) == 2
+    assert "does not shard its training over processes yet" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_sft_rejects_a_bad_layout_before_writing_anything(base_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")  # as torchrun sets it; no process group is built before the check
+    out = tmp_path / "sft"
+    assert cli_main(["sft", "--model", str(base_model), "--out", str(out), *FAST, "--set", "dist.tp=4"]) == 2
+    assert "tp 4 does not divide n_groups 2 (Mamba's B/C and gated norm split by group)" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,0 +1,173 @@
+"""`hybridtron pipeline`: the micro preset end to end (every stage, the table, the page), a second run that skips
+every finished stage, a stage killed in the middle and resumed, and the configuration's clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from hybridtron.cli import main as cli_main
+from hybridtron.post import pipeline as P
+
+STAGES = [stage.name for stage in P.STAGES if stage.name != "code_teacher_rl"]  # off in the presets
+
+
+@pytest.fixture(scope="module")
+def micro_run(tmp_path_factory):
+    """The micro pipeline run once (about a minute on a busy 2-core machine): its directory and its output."""
+    root = tmp_path_factory.mktemp("pipeline")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HYBRIDTRON_CACHE", str(root / "cache"))
+        assert cli_main(["pipeline", "--preset", "micro", "--out", str(root / "pipe")]) == 0
+    return root / "pipe"
+
+
+def test_micro_pipeline_runs_every_stage_and_writes_the_table(micro_run):
+    result = json.loads((micro_run / P.RESULT_FILE).read_text())
+    assert [row["stage"] for row in result["stages"]] == STAGES
+    assert result["missing"] == []
+    for name in STAGES:
+        assert (micro_run / name / "hf" / "config.json").is_file(), name
+        record = json.loads((micro_run / name / P.STAGE_FILE).read_text())
+        assert record["fingerprint"] and record["seconds"] > 0
+    for row in result["stages"]:
+        for key in ("math_pass_at_1", "code_pass_rate", "code_pass_at_1", "val_loss", "acceptance_length"):
+            assert isinstance(row[key], float), (row["stage"], key)
+        assert 1.0 <= row["acceptance_length"] <= 1 + 2  # draft length 2 in the micro preset
+    assert set(result["recovery"]) == {"mopd_1", "mopd_2", "mopd_no_warmup"}
+    assert set(result["goals"]) == {"rlvr_raises_math", "mopd_recovers_half", "warmup_helps",
+                                    "mtp_boost_raises_acceptance"}
+    # each stage built on the one before it: the MOPD student of iteration 2 is iteration 1's model
+    mopd_2 = json.loads((micro_run / "mopd_2" / "run_config.json").read_text())
+    assert mopd_2["student"] == str(micro_run / "mopd_1" / "hf")
+    assert mopd_2["teachers"] == {"math": str(micro_run / "math_teacher" / "hf"),
+                                  "code": str(micro_run / "code_teacher" / "hf")}
+    assert mopd_2["mopd"]["warmup_steps"] == 0  # the warmup is its own stage
+    no_warmup = json.loads((micro_run / "mopd_no_warmup" / "run_config.json").read_text())
+    assert no_warmup["student"] == str(micro_run / "rlvr" / "hf")
+    page = (micro_run / P.HTML_FILE).read_text()
+    assert "<table>" in page and page.count("data:image/png;base64") >= len(STAGES)
+    assert "| mopd_2 |" in P.format_table(result)
+
+
+def test_a_second_run_skips_every_finished_stage(micro_run, capsys):
+    before = {name: (micro_run / name / P.STAGE_FILE).stat().st_mtime_ns for name in STAGES}
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(micro_run)]) == 0
+    err = capsys.readouterr().err
+    for name in STAGES:
+        assert f"[{name}] done" in err and "skipped" in err
+        assert (micro_run / name / P.STAGE_FILE).stat().st_mtime_ns == before[name]
+    assert "running:" not in err
+
+
+def _copy_stages(source, target, names):
+    for name in names:
+        shutil.copytree(source / name, target / name)
+
+
+def test_a_killed_stage_resumes_where_it_stopped(micro_run, tmp_path, monkeypatch, capsys):
+    """The RLVR stage killed right after its step-1 checkpoint: the next run skips pretrain and sft (copied from a
+    finished pipeline: fingerprints do not depend on where the directory is) and resumes RLVR from step 1."""
+    from hybridtron.train.loop import Trainer
+
+    out = tmp_path / "pipe"
+    _copy_stages(micro_run, out, ["pretrain", "sft"])
+    overrides = ["--set", "rlvr.steps=3", "--set", "rlvr.train.checkpoint_every=1"]
+    real_save = Trainer.save_checkpoint
+
+    def save_then_die(self, blocking=False):
+        real_save(self, blocking=True)
+        if self.step == 1:
+            raise KeyboardInterrupt  # the machine went away after the step-1 checkpoint
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--stop-after", "rlvr", *overrides])
+    assert not (out / "rlvr" / P.STAGE_FILE).exists()
+    assert (out / "rlvr" / "checkpoints" / "step_000001").is_dir()
+    monkeypatch.setattr(Trainer, "save_checkpoint", real_save)
+    capsys.readouterr()
+
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--stop-after", "rlvr", *overrides]) == 0
+    err = capsys.readouterr().err
+    assert "[pretrain] done" in err and "[sft] done" in err
+    assert "[rlvr] resuming" in err and "(step 1)" in err
+    steps = [json.loads(line)["step"] for line in (out / "rlvr" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 3 and (out / "rlvr" / P.STAGE_FILE).is_file()
+    result = json.loads((out / P.RESULT_FILE).read_text())
+    assert [row["stage"] for row in result["stages"]] == ["pretrain", "sft", "rlvr"]
+    assert "math_teacher" in result["missing"]
+
+
+def test_a_finished_stage_run_with_another_configuration_is_refused(micro_run, tmp_path, capsys):
+    out = tmp_path / "pipe"
+    _copy_stages(micro_run, out, ["pretrain", "sft"])
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--set", "sft.steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'sft'}: this stage was run with another configuration" in err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--set", "rlvr.grpo.group_size=1"], "[rlvr] (grpo): grpo.group_size must be >= 2"),
+    (["--set", "mopd_1.mopd.prompts_per_step=0"], "[mopd_1] (mopd): mopd.prompts_per_step must be >= 1"),
+    (["--set", "sft.train.lr=fast"], "[sft] (sft): train.lr: expected float"),
+    (["--set", "pretrain.model.mamba_num_heads=5"], "mamba_num_heads (5) must be divisible by n_groups"),
+    (["--set", "mtp_boost.boost.bogus=1"], "mtp_boost takes boost.FIELD settings"),
+    (["--set", "nope.steps=1"], "unknown section [nope]"),
+    (["--set", "rlvr.stepz=3"], "[rlvr] has no field(s) ['stepz']"),
+    (["--set", "rlvr.steps=0"], "rlvr.steps must be >= 1"),
+    (["--set", "rlvr.steps=many"], "rlvr.steps: expected int"),
+    (["--set", "sft.enabled=false"], "the stage sft cannot be left out"),
+    (["--set", "pipeline.model_preset=huge"], "pipeline.model_preset: unknown preset 'huge'"),
+    (["--set", "pipeline.levels=0"], "pipeline.levels must be positive difficulty levels"),
+    (["--set", "eval.math_tasks=0"], "eval.math_tasks must be >= 1"),
+    (["--set", "rlvr"], "expected STAGE.FIELD=VALUE"),
+    (["--base", "/no/such/model"], "pipeline.base_model: /no/such/model is not an HF checkpoint directory"),
+    (["--set", "pipeline.base_model=."], "also set pretrain.enabled = false"),
+])
+def test_bad_configuration_gives_a_clear_error_before_anything_runs(tmp_path, capsys, overrides, message):
+    out = tmp_path / "pipe"
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), *overrides]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[rlvr\nsteps = 3", "invalid TOML"),
+    ("[optimizer]\nlr = 1", "unknown section [optimizer]"),
+    ("steps = 3", "outside a section"),
+    ("[eval.math]\nx = 1", "only stages have sub-tables"),
+])
+def test_bad_config_file_gives_a_clear_error(tmp_path, capsys, text, message):
+    path = tmp_path / "pipe.toml"
+    path.write_text(text)
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(tmp_path / "pipe"), "--config", str(path)]) == 2
+    assert message in capsys.readouterr().err
+    assert cli_main(["pipeline", "--out", str(tmp_path / "pipe"), "--config", str(tmp_path / "none.toml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+
+
+def test_print_config_is_a_config_file_that_reads_back_the_same(tmp_path, capsys):
+    assert cli_main(["pipeline", "--preset", "micro", "--print-config", "--set", "rlvr.steps=4",
+                     "--set", "rlvr.grpo.levels=1,2", "--set", "eval.math_tasks=7"]) == 0
+    text = capsys.readouterr().out
+    assert "[rlvr.grpo]" in text and "levels = [1, 2]" in text
+    path = tmp_path / "pipe.toml"
+    path.write_text(text)
+    from argparse import Namespace
+
+    args = Namespace(preset="micro", config=None, overrides=["rlvr.steps=4", "rlvr.grpo.levels=1,2",
+                                                              "eval.math_tasks=7"])
+    expected = P.resolve_config(args)
+    # the file over the preset gives the same configuration, so the same command lines and fingerprints
+    again = P.resolve_config(Namespace(preset="micro", config=str(path), overrides=[]))
+    assert again == expected
+    assert P.fingerprints(again, tmp_path) == P.fingerprints(expected, tmp_path)
+
+
+def test_recovery_is_the_share_of_the_teacher_lead_won_back():
+    assert P.recovery(0.3, 0.2, 0.4) == pytest.approx(0.5)
+    assert P.recovery(0.1, 0.2, 0.4) == pytest.approx(-0.5)  # distillation lost ground
+    assert P.recovery(0.5, 0.2, 0.2) is None and P.recovery(0.5, 0.3, 0.2) is None  # the teacher is not ahead
