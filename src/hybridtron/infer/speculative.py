@@ -10,7 +10,7 @@ token x_n is pending:
    with the first sampled token), the m + 1 kept positions after a verification, one per token of a plain step
    while drafting is off (a full buffer, `CATCH_UP_WIDTH` positions, is caught up at once, so the drafter never
    falls behind). One forward of the block over them fills the cache; its output at position n-1 is depth 1's.
-1. Draft (SPEC-algorithms.md, MTP as drafter). Depth 1 proposes d_1 from that output; depth j > 1 reads the
+1. Draft (the MTP block as its own drafter). Depth 1 proposes d_1 from that output; depth j > 1 reads the
    block's own output of depth j-1 and the embedding of d_{j-1} (`MTPBlock.decode_step`) and proposes d_j, writing
    its entry at position n+j-2 as if its own output stood in for the backbone's hidden state one position further
    (EAGLE's convention); the next catch-up overwrites those chain entries. A draft is the token the row's noise

@@ -469,7 +469,7 @@ class HeldOutAccuracy:
 # ------------------------------------------------------------------------------------------------- the run
 @dataclass
 class RunParts:
-    """What a GRPO run holds besides the trainer, closed when the run ends."""
+    """What a GRPO or MOPD run holds besides the trainer, closed when the run ends."""
 
     tokenizer: object
     rollouts: object  # RolloutBatches

@@ -572,20 +572,6 @@ def run_warmup(config: MOPDRunConfig, out: Path, *, resume: bool, quiet: bool) -
 
 
 # ------------------------------------------------------------------------------------------------- the run
-@dataclass
-class RunParts:
-    """What a MOPD run holds besides the trainer, closed when the run ends."""
-
-    tokenizer: object
-    rollouts: object  # RolloutBatches
-    eval_env: object | None
-
-    def close(self) -> None:
-        self.rollouts.close()
-        if self.eval_env is not None:
-            self.eval_env.close()
-
-
 def role_specs(config: MOPDRunConfig, student_dir: str | Path, backend: str) -> list:
     """The rollout and teacher-scoring roles of the pipeline (the learner is the trainer itself)."""
     from hybridtron.post.mixture import MixtureRolloutRole
@@ -614,6 +600,7 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
 
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
+    from hybridtron.post.grpo import RunParts
     from hybridtron.post.rollout import RolloutBatches, rollout_pipeline_factory
     from hybridtron.train.run import assemble_trainer, prepare_process
 
@@ -724,7 +711,7 @@ def run(args) -> int:
                                  quiet=args.quiet)
     elif config.mopd.warmup_steps > 0:
         student_dir = out / WARMUP_DIR / "hf"
-    built: list[RunParts] = []
+    built: list = []  # the run's RunParts (hybridtron.post.grpo), closed at the end
 
     def build(run_out, run_checkpoints):
         trainer, parts = build_trainer(config, student_dir, run_out, run_checkpoints, quiet=args.quiet)
