@@ -63,8 +63,8 @@ def native_grouped_mm_backward(dy_SO: torch.Tensor, x_SK: torch.Tensor, w_EOK: t
                                offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dy_SO = dy_SO.contiguous()  # the native op rejects stride-0 (expanded) gradients
     dx_SK = F.grouped_mm(dy_SO, w_EOK if w_EOK.is_contiguous() else w_EOK.contiguous(), offs=offsets)
-    dw_EKO = F.grouped_mm(x_SK.t(), dy_SO, offs=offsets)
-    return dx_SK, dw_EKO.transpose(1, 2).contiguous()
+    dw_EOK = F.grouped_mm(dy_SO.t(), x_SK, offs=offsets)  # in the weight's own layout: no transposing copy
+    return dx_SK, dw_EOK
 
 
 @native_grouped_mm_backward.register_fake
