@@ -560,9 +560,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from hybridtron.checkpoint import save_pretrained
-    from hybridtron.data.chat import save_tokenizer_files
-    from hybridtron.train.run import train_in_run_dir
+    from hybridtron.train.run import finish_run, pass_at_1_line, train_in_run_dir
 
     config = resolve_config(args)
     if args.print_config:
@@ -584,12 +582,5 @@ def run(args) -> int:
     if result is None:  # the run in --out was already complete
         return 0
     trainer, parts = result
-    out = Path(args.out)
-    save_pretrained(trainer.model, out / "hf")
-    save_tokenizer_files(parts.tokenizer, out / "hf", model_max_length=config.model.max_position_embeddings)
-    history = trainer.evaluators[0].history if trainer.evaluators else []
-    if history:
-        (first_step, first), (last_step, last) = history[0], history[-1]
-        print(f"held-out pass@1 {first:.1%} (step {first_step}) -> {last:.1%} (step {last_step})")
-    print(f"checkpoints: {out / 'checkpoints'}\nmetrics:     {out / 'metrics.jsonl'}\nHF export:   {out / 'hf'}")
+    finish_run(trainer, Path(args.out), parts.tokenizer, config.model.max_position_embeddings, pass_at_1_line)
     return 0

@@ -401,9 +401,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from hybridtron.data.chat import save_tokenizer_files
     from hybridtron.dist.mesh import check_run_layout, world_from_env
-    from hybridtron.train.run import export_model, print_summary, train_in_run_dir
+    from hybridtron.train.run import finish_run, train_in_run_dir
 
     config = resolve_config(args)
     if args.print_config:
@@ -416,10 +415,5 @@ def run(args) -> int:
     if result is None:  # the run in --out was already complete
         return 0
     trainer, tokenizer = result
-    out = Path(args.out)
-    if export_model(trainer, out / "hf"):  # gathered from the shards under torchrun; rank 0 writes
-        save_tokenizer_files(tokenizer, out / "hf", model_max_length=config.model.max_position_embeddings)
-        print_summary(trainer, out, out / "hf")
-    if trainer.parallel is not None:
-        trainer.parallel.close()
+    finish_run(trainer, Path(args.out), tokenizer, config.model.max_position_embeddings)
     return 0

@@ -291,10 +291,28 @@ def export_model(trainer, hf_dir: Path) -> bool:
     return parallel.is_main
 
 
-def print_summary(trainer, out: Path, hf_dir: Path) -> None:
-    """The validation loss at the start and the end of the run, and where its outputs are."""
-    history = trainer.evaluators[0].history if trainer.evaluators else []
-    if history:
-        first, last = history[0][1], history[-1][1]
-        print(f"validation loss {first:.3f} -> {last:.3f} ({last / first:.0%} of step 0)")
-    print(f"checkpoints: {out / 'checkpoints'}\nmetrics:     {out / 'metrics.jsonl'}\nHF export:   {hf_dir}")
+def validation_loss_line(history) -> str:
+    (_, first), (_, last) = history[0], history[-1]
+    return f"validation loss {first:.3f} -> {last:.3f} ({last / first:.0%} of step 0)"
+
+
+def pass_at_1_line(history, what: str = "held-out pass@1") -> str:
+    (first_step, first), (last_step, last) = history[0], history[-1]
+    return f"{what} {first:.1%} (step {first_step}) -> {last:.1%} (step {last_step})"
+
+
+def finish_run(trainer, out: Path, tokenizer, model_max_length: int, summary_line=validation_loss_line) -> None:
+    """The end of every training command: the HF export `out/hf` with the tokenizer files (under torchrun gathered
+    from the shards; global rank 0 writes), the first evaluator's first and last value (`summary_line(history)`),
+    where the outputs are, and the process group closed."""
+    from hybridtron.data.chat import save_tokenizer_files
+
+    hf_dir = out / "hf"
+    if export_model(trainer, hf_dir):
+        save_tokenizer_files(tokenizer, hf_dir, model_max_length=model_max_length)
+        history = trainer.evaluators[0].history if trainer.evaluators else []
+        if history:
+            print(summary_line(history))
+        print(f"checkpoints: {out / 'checkpoints'}\nmetrics:     {out / 'metrics.jsonl'}\nHF export:   {hf_dir}")
+    if trainer.parallel is not None:
+        trainer.parallel.close()
