@@ -1,7 +1,7 @@
 """`torchrun ... -m hybridtron sft` shards the learner as pretraining does: on 2 processes with DP 2 x EP 2 the
 per-step losses, trained-token counts, gradient norms and held-out losses are those of one process on the same
-global batches (1e-5, fp32), rank 0 alone writes the run directory, and a command that does not shard refuses to
-run under torchrun before it writes anything."""
+global batches (1e-5, fp32), rank 0 alone writes the run directory, and a bad layout fails before anything is
+written. (GRPO and MOPD: test_dist_rl.py.)"""
 
 from __future__ import annotations
 
@@ -78,16 +78,6 @@ def test_sft_on_two_processes_matches_one_process(base_model, tmp_path):
     ours, theirs = load_pretrained(tmp_path / "world2" / "hf"), load_pretrained(tmp_path / "single" / "hf")
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     assert (tmp_path / "world2" / "hf" / "tokenizer_config.json").is_file()
-
-
-def test_a_command_that_does_not_shard_refuses_to_run_under_torchrun(base_model, tmp_path, capsys, monkeypatch):
-    """GRPO's learner is not sharded yet (its rollouts read the unsharded policy): N processes would be N
-    independent runs writing one directory, so it stops before writing anything."""
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
-    out = tmp_path / "grpo"
-    assert cli_main(["grpo", "--model", str(base_model), "--env", "math", "--out", str(out), "--quiet"]) == 2
-    assert "does not shard its training over processes yet" in capsys.readouterr().err
-    assert not out.exists()
 
 
 def test_sft_rejects_a_bad_layout_before_writing_anything(base_model, tmp_path, capsys, monkeypatch):

@@ -215,12 +215,16 @@ def test_math_sft_examples_are_correct(math_env):
         trace, boxed = THINK_BOXED.fullmatch(content).groups()
         assert boxed == task.answer
         for step in trace.split(". "):  # every side of every "=" has the same value
+            step = step.removeprefix("ones: ").removeprefix("tens: ")
             values = {exact(ast.parse(side, mode="eval")) for side in step.split(" = ")}
             assert len(values) == 1, step
         assert exact(ast.parse(trace.split(". ")[-1].split(" = ")[-1], mode="eval")) == parse_value(task.answer)
         assert len(content) < 160, content  # tens of tokens
         completions.append(content)
     assert math_env.rewards(tasks, completions) == [1.0] * 500
+    level2 = [c for c, t in zip(completions, tasks) if t.difficulty == 2]
+    columns = sum("ones: " in c for c in level2)
+    assert 0.35 < columns / len(level2) < 0.65  # two trace styles, about half each
 
 
 def test_code_sft_examples_pass_their_own_tests(code_env):

@@ -404,11 +404,16 @@ def test_the_ray_backend_runs_the_same_protocol(policy_dir, tmp_path):
 
 # ------------------------------------------------------------------------------------------- the command
 def _grpo(model, out, *extra):
-    return cli_main(["grpo", "--model", str(model), "--env", TOY, "--out", str(out), "--quiet",
-                     "--set", "grpo.group_size=4", "--set", "grpo.prompts_per_step=2", "--set", "grpo.task_pool=40",
-                     "--set", "grpo.max_new_tokens=10", "--set", "grpo.draft_length=2", "--set", "grpo.levels=1",
-                     "--set", "grpo.eval_tasks=4", "--set", "grpo.eval_every=2", "--set", "grpo.eval_max_tokens=8",
-                     "--set", "train.checkpoint_every=2", "--set", "train.grad_accum=2", *extra])
+    return cli_main(grpo_argv(model, out, *extra))
+
+
+def grpo_argv(model, out, *extra) -> list[str]:
+    """A short GRPO run on the toy environment (also what tests/dist/test_dist_rl.py runs under torchrun)."""
+    return ["grpo", "--model", str(model), "--env", TOY, "--out", str(out), "--quiet",
+            "--set", "grpo.group_size=4", "--set", "grpo.prompts_per_step=2", "--set", "grpo.task_pool=40",
+            "--set", "grpo.max_new_tokens=10", "--set", "grpo.draft_length=2", "--set", "grpo.levels=1",
+            "--set", "grpo.eval_tasks=4", "--set", "grpo.eval_every=2", "--set", "grpo.eval_max_tokens=8",
+            "--set", "train.checkpoint_every=2", "--set", "train.grad_accum=2", *extra]
 
 
 TIMING = ("seconds", "per_s", "wait_s", "tokens_per_s")

@@ -346,15 +346,20 @@ def test_the_ray_backend_runs_the_same_three_roles(models, tmp_path):
 
 # ------------------------------------------------------------------------------------------------- the command
 def _mopd(models, out, *extra, teachers=None):
+    return cli_main(mopd_argv(models, out, *extra, teachers=teachers))
+
+
+def mopd_argv(models, out, *extra, teachers=None) -> list[str]:
+    """A short MOPD run on the toy domains (also what tests/dist/test_dist_rl.py runs under torchrun)."""
     teachers = f"alpha={models['alpha']}" if teachers is None else teachers
-    return cli_main(["mopd", "--student", str(models["student"]), "--teachers", teachers,
-                     "--general", str(models["beta"]), "--out", str(out), "--quiet",
-                     "--set", f"mopd.envs={ALPHA},{BETA}", "--set", "mopd.prompts_per_step=2",
-                     "--set", "mopd.task_pool=20", "--set", "mopd.max_new_tokens=8", "--set", "mopd.draft_length=2",
-                     "--set", "mopd.eval_tasks=2", "--set", "mopd.eval_every=2", "--set", "mopd.eval_max_tokens=6",
-                     "--set", "mopd.warmup_examples=12", "--set", "mopd.warmup_batch_size=2",
-                     "--set", "mopd.warmup_seq_len=64", "--set", "train.checkpoint_every=2",
-                     "--set", "train.grad_accum=2", *extra])
+    return ["mopd", "--student", str(models["student"]), "--teachers", teachers,
+            "--general", str(models["beta"]), "--out", str(out), "--quiet",
+            "--set", f"mopd.envs={ALPHA},{BETA}", "--set", "mopd.prompts_per_step=2",
+            "--set", "mopd.task_pool=20", "--set", "mopd.max_new_tokens=8", "--set", "mopd.draft_length=2",
+            "--set", "mopd.eval_tasks=2", "--set", "mopd.eval_every=2", "--set", "mopd.eval_max_tokens=6",
+            "--set", "mopd.warmup_examples=12", "--set", "mopd.warmup_batch_size=2",
+            "--set", "mopd.warmup_seq_len=64", "--set", "train.checkpoint_every=2",
+            "--set", "train.grad_accum=2", *extra]
 
 
 TIMING = ("seconds", "per_s", "wait_s")

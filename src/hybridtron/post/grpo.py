@@ -18,7 +18,7 @@ One optimizer step:
    `hybridtron.post.losses.grpo_loss`: DAPO clip-higher (0.2 / 0.28), optional dual clip, k3 KL to the frozen
    initial model and entropy bonus (both off by default, as the recipe), the rollout-vs-trainer correction
    w = exp(old_trainer - rollout) by TIS (clamp to [0, 2], the default) or IcePop, and token-mean aggregation
-   normalised by the step's GLOBAL count of policy tokens (all micro-batches; `data_sum` all-reduces it over
+   normalised by the step's GLOBAL count of policy tokens (all micro-batches; under torchrun summed over
    data-parallel ranks), so `train.grad_accum` does not change the gradient.
 4. The MTP loss stays on during RL (`grpo.mtp_loss_weight`, masked CE of the MTP depths on the completion tokens,
    as miles' `--enable-mtp-training`), so the drafter keeps up with the policy it drafts for.
@@ -64,6 +64,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridtron.config import ModelConfig
+from hybridtron.dist.config import DistConfig
+from hybridtron.post.roles import BACKENDS
 
 if TYPE_CHECKING:  # imported with torch, when a run starts
     from hybridtron.train.config import TrainConfig
@@ -74,8 +76,7 @@ if TYPE_CHECKING:  # imported with torch, when a run starts
 # train.val_every does not apply: GRPO has no validation loss; its held-out pass@1 runs every grpo.eval_every.
 GRPO_TRAIN = dict(steps=100, lr=1e-4, warmup_steps=5, decay_fraction=0.0, grad_accum=4, checkpoint_every=20)
 MODEL_FIXED = "the model is fixed by --model (its config.json); GRPO trains the weights, not the architecture"
-THINKING = {"auto": None, "on": True, "off": False}
-ROLLOUT_BACKENDS = ("inline", "process", "ray")
+THINKING = {"auto": None, "on": True, "off": False}  # the generation prompt's thinking switch (and MOPD's)
 LOGP_FLOOR = -50.0  # a sampled token the learner's top-k / top-p would have filtered out: log-prob floored here
 
 
@@ -174,8 +175,8 @@ class GRPOConfig:
             raise ValueError(f"grpo.top_p must be in (0, 1], got {self.top_p}")
         if self.thinking not in THINKING:
             raise ValueError(f"grpo.thinking must be one of {', '.join(THINKING)}, got {self.thinking!r}")
-        if self.rollout_backend not in ROLLOUT_BACKENDS:
-            raise ValueError(f"grpo.rollout_backend must be one of {', '.join(ROLLOUT_BACKENDS)}, got "
+        if self.rollout_backend not in BACKENDS:
+            raise ValueError(f"grpo.rollout_backend must be one of {', '.join(BACKENDS)}, got "
                              f"{self.rollout_backend!r}")
         if not 0 <= self.curriculum_target <= 1:
             raise ValueError(f"grpo.curriculum_target must be in [0, 1], got {self.curriculum_target}")
@@ -203,9 +204,10 @@ class GRPORunConfig:
     grpo: GRPOConfig
     train: TrainConfig
     monitor: MonitorConfig
+    dist: DistConfig = DistConfig()  # the learner's layout under torchrun (hybridtron.dist; pretraining's [dist])
 
     def sections(self) -> dict:
-        return {"grpo": self.grpo, "train": self.train, "monitor": self.monitor}
+        return {"grpo": self.grpo, "train": self.train, "monitor": self.monitor, "dist": self.dist}
 
     def to_dict(self) -> dict:
         from hybridtron.train.config import _plain
@@ -217,37 +219,29 @@ class GRPORunConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     def to_toml(self) -> str:
-        """[grpo], [train] and [monitor] as TOML that `--config` reads back; [model] is the checkpoint's."""
-        from hybridtron.train.config import section_toml
+        """[grpo], [train], [monitor] and [dist] as TOML that `--config` reads back; [model] is the checkpoint's."""
+        from hybridtron.train.run import sections_toml
 
-        lines = [f"# hybridtron grpo --model {self.base_model} --env {self.env}",
-                 f"# [model] is {self.base_model}/config.json, fixed by --model", ""]
-        for name, section in self.sections().items():
-            lines += section_toml(name, section) + [""]
-        return "\n".join(lines)
+        return (f"# hybridtron grpo --model {self.base_model} --env {self.env}\n"
+                f"# [model] is {self.base_model}/config.json, fixed by --model\n\n" + sections_toml(self.sections()))
 
     @classmethod
     def load(cls, path: str | Path) -> "GRPORunConfig":
-        from hybridtron.train.config import TrainConfig, _build
+        from hybridtron.train.config import TrainConfig, _build, read_run_config
         from hybridtron.train.monitor.config import MonitorConfig
 
-        try:
-            raw = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        missing = [key for key in ("base_model", "env", "model", "grpo", "train") if key not in raw]
-        if missing:
-            raise ValueError(f"{path}: not the run config of a GRPO run (no {', '.join(missing)})")
+        raw = read_run_config(path, ("base_model", "env", "model", "grpo", "train"), "a GRPO run")
         return cls(base_model=raw["base_model"], env=raw["env"], model=ModelConfig.from_hf(raw["model"]),
                    grpo=_build(GRPOConfig, raw["grpo"], "grpo"), train=_build(TrainConfig, raw["train"], "train"),
-                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"))
+                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"),
+                   dist=_build(DistConfig, raw.get("dist", {}), "dist"))
 
 
 def default_sections() -> dict:
     from hybridtron.train.config import TrainConfig
     from hybridtron.train.monitor.config import MonitorConfig
 
-    return {"grpo": GRPOConfig(), "train": TrainConfig(**GRPO_TRAIN), "monitor": MonitorConfig()}
+    return {"grpo": GRPOConfig(), "train": TrainConfig(**GRPO_TRAIN), "monitor": MonitorConfig(), "dist": DistConfig()}
 
 
 def resolve_config(args) -> GRPORunConfig:
@@ -314,13 +308,46 @@ def sampled_logprobs(logits_BTV, tokens_BT, temperature: float, top_k: int = 0, 
     return logp.clamp(min=LOGP_FLOOR) if filtered else logp
 
 
-class GRPOObjective:
+class RolloutObjective:
+    """What the objectives on rollouts (GRPO's, MOPD's) share: their config (`loss_config()`, `mtp_loss_weight`), the
+    MTP depths trained (none with the MTP loss off), and the step's global counts that every micro-batch's loss is
+    normalised by (`begin_step`: `row_counts(mb)` of each micro-batch, then each MTP depth's targets, summed over the
+    step and, under torchrun, over the data-parallel ranks). `data_ranks`: the metrics every rank holds whole are
+    divided by it, since the trainer sums the ranks' metrics."""
+
+    def __init__(self, config, mtp_depths: int, parallel=None):
+        self.config, self.loss_config = config, config.loss_config()
+        self.mtp_depths = mtp_depths if config.mtp_loss_weight > 0 else 0
+        self.data_sum = parallel.sum_over_data if parallel is not None else None
+        self.data_ranks = parallel.layout.dp if parallel is not None else 1
+        self.counts: list[float] = []  # row_counts' values, then the MTP targets of each depth
+        self.micro_batches = 1
+
+    def row_counts(self, mb) -> list:
+        raise NotImplementedError
+
+    def begin_step(self, micro_batches) -> None:
+        import torch
+
+        from hybridtron.model.lm import mtp_targets
+        from hybridtron.ops.cross_entropy import IGNORE_INDEX
+
+        rows = [self.row_counts(mb) + [(mtp_targets(mb.labels, d) != IGNORE_INDEX).sum()
+                                       for d in range(1, self.mtp_depths + 1)] for mb in micro_batches]
+        device = micro_batches[0].labels.device  # a collective's tensor lives on the run's device (NCCL: CUDA)
+        counts = torch.tensor([[float(x) for x in row] for row in rows], dtype=torch.float64, device=device).sum(dim=0)
+        if self.data_sum is not None:
+            counts = self.data_sum(counts)
+        self.counts = counts.tolist()
+        self.micro_batches = len(micro_batches)
+
+
+class GRPOObjective(RolloutObjective):
     """The GRPO loss of a micro-batch of rollouts (`hybridtron.post.rollout.RolloutMicroBatch`), as a `Trainer`
     objective; see the module docstring.
 
-    `reference`: the frozen initial model, for the k3 KL (kl_coef > 0, or only logged: reference_kl). `data_sum` (data parallelism):
-    sums a tensor over the data-parallel ranks in place; the step's counts of policy and MTP tokens go through it,
-    so that each rank's share is normalised by the global count. `mtp_depths`: the model's.
+    `reference`: the frozen initial model, for the k3 KL (kl_coef > 0, or only logged: reference_kl). `parallel`
+    (a sharded learner, hybridtron.dist): see RolloutObjective. `mtp_depths`: the model's.
 
     Metrics, each the step's value: loss, policy_loss, mtp_loss_<d>; over the policy tokens: clip_fraction,
     ratio_mean, kl (with a reference); over every completion token (the engines' agreement and the policy's
@@ -329,32 +356,16 @@ class GRPOObjective:
 
     headline = ("reward_mean", "reward")
 
-    def __init__(self, config: GRPOConfig, mtp_depths: int, *, reference=None, data_sum=None):
-        self.config, self.loss_config = config, config.loss_config()
-        self.mtp_depths = mtp_depths if config.mtp_loss_weight > 0 else 0
-        self.reference, self.data_sum = reference, data_sum
+    def __init__(self, config: GRPOConfig, mtp_depths: int, *, reference=None, parallel=None):
+        super().__init__(config, mtp_depths, parallel)
+        self.reference = reference
         if self.loss_config.kl_coef > 0 and reference is None:
             raise ValueError("grpo.kl_coef > 0 needs the frozen reference model")
-        # the step's completion tokens, policy tokens, policy sequences, then the MTP targets of each depth
-        self.counts: list[float] = []
-        self.micro_batches = 1
 
-    def begin_step(self, micro_batches) -> None:
-        import torch
-
-        from hybridtron.model.lm import mtp_targets
-        from hybridtron.ops.cross_entropy import IGNORE_INDEX
-
-        rows = []
-        for mb in micro_batches:
-            mask = mb.policy_mask
-            rows.append([mb.completion_mask.sum(), mask.sum(), mask.any(dim=1).sum()]
-                        + [(mtp_targets(mb.labels, d) != IGNORE_INDEX).sum() for d in range(1, self.mtp_depths + 1)])
-        counts = torch.tensor(rows, dtype=torch.float64).sum(dim=0)
-        if self.data_sum is not None:
-            counts = self.data_sum(counts)
-        self.counts = counts.tolist()
-        self.micro_batches = len(micro_batches)
+    def row_counts(self, mb) -> list:
+        """completion tokens, policy tokens, policy sequences"""
+        mask = mb.policy_mask
+        return [mb.completion_mask.sum(), mask.sum(), mask.any(dim=1).sum()]
 
     def policy_logprobs(self, model, mb):
         """(the model's output, log-probs [B, L] of the labels) of one micro-batch, with routing replay."""
@@ -370,7 +381,8 @@ class GRPOObjective:
         from hybridtron.post.losses import (grpo_loss, masked_mean, mismatch_metrics, rollout_correction,
                                             token_entropy)
         from hybridtron.post.sft import sft_loss
-        from hybridtron.train.objectives import ObjectiveOutput, router_counts
+        from hybridtron.post.rollout import rollout_router_counts
+        from hybridtron.train.objectives import ObjectiveOutput
 
         cfg, loss_cfg = self.config, self.loss_config
         out, logp = self.policy_logprobs(model, mb)
@@ -417,19 +429,45 @@ class GRPOObjective:
                    **{key: value.float() * share * scale for key, value in policy_metrics.items()
                       if key not in engine_metrics},
                    **{key: value.float() * completion_share * scale for key, value in engine_metrics.items()},
-                   "policy_tokens": torch.tensor(global_tokens, dtype=torch.float32)}
-        metrics.update({key: torch.tensor(float(value)) for key, value in mb.stats.items()})
-        counts = router_counts(model, out)
-        valid = mb.valid.flatten()
-        for name, moe in model.routers().items():
-            if name.startswith("mtp."):  # without the MTP loss the block does not run: its routers saw no token
-                counts.setdefault(name, torch.zeros(moe.gate.num_experts, dtype=torch.long))
-            else:  # backbone routers: count the real tokens, not the padding
-                counts[name] = torch.bincount(moe.last_expert_ids[valid].flatten(), minlength=moe.gate.num_experts)
-        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), counts)
+                   "policy_tokens": torch.tensor(global_tokens / self.data_ranks, dtype=torch.float32)}
+        metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
+        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), rollout_router_counts(model, out, mb))
 
 
 # --------------------------------------------------------------------------------------------- evaluation
+class PolicySnapshot:
+    """The learner's policy as one unsharded model that the decoder can run: the trainer's model itself in one
+    process; under torchrun a full copy on global rank 0 (None on the other ranks), refreshed from the shards by a
+    gathering every rank joins."""
+
+    def __init__(self):
+        self.copy = None
+
+    def __call__(self, trainer):
+        if trainer.parallel is None:
+            return trainer.model
+        from hybridtron.dist.step import full_state_dict
+        from hybridtron.model.lm import HybridLM
+
+        state = full_state_dict(trainer.model, trainer.parallel)
+        if state is None:
+            return None
+        if self.copy is None:
+            self.copy = HybridLM(trainer.model.config, init=False)
+        self.copy.load_state_dict(state)
+        return self.copy
+
+
+def evaluate_on_main(trainer, snapshot: PolicySnapshot, evaluate) -> dict[str, float]:
+    """`evaluate(model)` on the policy (`snapshot`), on global rank 0 under torchrun, its values on every rank."""
+    model = snapshot(trainer)
+    was_training = model.training if model is not None else False
+    values = evaluate(model) if model is not None else None
+    if model is not None:
+        model.train(was_training)
+    return values if trainer.parallel is None else trainer.parallel.broadcast_object(values)
+
+
 class HeldOutAccuracy:
     """An evaluator (hybridtron.train.evaluate): greedy pass@1 of the learner on fixed test-split tasks
     (`hybridtron.post.evaluate.evaluate_env`), overall and per difficulty level, plus the mean reward and
@@ -442,22 +480,25 @@ class HeldOutAccuracy:
         self.env, self.tasks, self.tokenizer, self.every = env, tasks, tokenizer, every
         self.max_tokens, self.batch_size, self.enable_thinking = max_tokens, batch_size, enable_thinking
         self.history: list[tuple[int, float]] = []
+        self.snapshot = PolicySnapshot()
 
     def due(self, step: int, total_steps: int) -> bool:
         return step % self.every == 0 or step == total_steps
 
-    def evaluate(self, trainer) -> dict[str, float]:
+    def measure(self, model) -> dict[str, float]:
+        """The metrics of one unsharded `model` (put in eval mode)."""
         from hybridtron.post.evaluate import evaluate_env
 
-        model = trainer.model
-        was_training = model.training
         result = evaluate_env(model, self.tokenizer, self.env, self.tasks, max_tokens=self.max_tokens,
                               batch_size=self.batch_size, enable_thinking=self.enable_thinking)
-        model.train(was_training)
-        self.history.append((trainer.step, result.pass_at_1))
         return {self.key: result.pass_at_1, "eval_mean_reward": result.mean_reward,
                 "eval_response_length": result.mean_completion_tokens,
                 **{f"pass_at_1/L{level}": value for level, value in result.by_difficulty.items()}}
+
+    def evaluate(self, trainer) -> dict[str, float]:
+        values = evaluate_on_main(trainer, self.snapshot, self.measure)
+        self.history.append((trainer.step, values[self.key]))
+        return values
 
     def state_dict(self):
         return {"history": list(self.history)}
@@ -481,6 +522,14 @@ class RunParts:
             self.eval_env.close()
 
 
+def micro_batch_shape(config: GRPORunConfig) -> tuple[int, int]:
+    """(rows, positions) of a micro-batch at most: a step's rollouts over grad_accum micro-batches, each a prompt
+    (128 tokens budgeted) plus its completion."""
+    grpo = config.grpo
+    rows = -(-grpo.prompts_per_step * grpo.group_size // config.train.grad_accum)
+    return rows, min(config.model.max_position_embeddings, 128 + grpo.max_new_tokens)
+
+
 def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool, stream=None):
     """The GRPO run of `config` in `out`: the policy of --model, its rollout pipeline, the objective, the
     held-out evaluation, the trainer. Returns (trainer, RunParts)."""
@@ -489,16 +538,20 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
     from hybridtron.post.roles import RoleSpec
-    from hybridtron.post.rollout import RolloutBatches, RolloutRole, load_env, rollout_pipeline_factory
-    from hybridtron.train.run import assemble_trainer, prepare_process
+    from hybridtron.post.rollout import (RolloutBatches, RolloutRole, learner_layout, load_env,
+                                         rollout_pipeline_factory)
+    from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
 
     stream = sys.stderr if stream is None else stream
     train, grpo = config.train, config.grpo
     model_config = config.model
+    rows, seq_len = micro_batch_shape(config)
+    # under torchrun: rank 0 runs the rollouts; every rank trains on its rows of each micro-batch (RolloutBatches)
+    parallel = start_parallel(config.dist, model_config, **learner_layout(
+        config.dist, model_config, rows=rows, seq_len=seq_len, routing_replay=grpo.routing_replay, what="GRPO"))
+    quiet = quiet or (parallel is not None and not parallel.is_main)
     tokenizer = load_chat_tokenizer(config.base_model, vocab_size=model_config.vocab_size)
-    rows = -(-grpo.prompts_per_step * grpo.group_size // train.grad_accum)
-    prepare_process(train, model_config, rows * min(model_config.max_position_embeddings, 128 + grpo.max_new_tokens),
-                    stream)
+    prepare_process(train, model_config, rows * seq_len, stream)
 
     model = load_pretrained(config.base_model, config=model_config, dtype=torch.float32)
     reference = None
@@ -512,16 +565,17 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
                                       config=grpo, threads=grpo.rollout_threads if backend != "inline" else 0))
     rollouts = RolloutBatches(rollout_pipeline_factory([role], backend, staleness), model, staleness=staleness,
                               grad_accum=train.grad_accum, total_steps=lambda: train.steps,
-                              pad_id=model_config.pad_token_id or 0)
+                              pad_id=model_config.pad_token_id or 0, parallel=parallel)
     evaluators, eval_env = [], None
     if grpo.eval_tasks:
         eval_env = load_env(config.env, **grpo.env_options())
         tasks = eval_env.tasks("test", grpo.eval_tasks, grpo.seed)
         evaluators.append(HeldOutAccuracy(eval_env, tasks, tokenizer, grpo.eval_every, max_tokens=grpo.eval_max_tokens,
                                           batch_size=grpo.eval_batch_size, enable_thinking=grpo.enable_thinking))
-    objective = GRPOObjective(grpo, model_config.mtp_num_depths if model_config.has_mtp else 0, reference=reference)
+    objective = GRPOObjective(grpo, model_config.mtp_num_depths if model_config.has_mtp else 0, reference=reference,
+                              parallel=parallel)
     trainer = assemble_trainer(model, objective, rollouts, evaluators, train=train, monitor_config=config.monitor,
-                               out=out, checkpoints=checkpoints, quiet=quiet, stream=stream)
+                               out=out, checkpoints=checkpoints, quiet=quiet, stream=stream, parallel=parallel)
     # assemble_trainer reads `train.grad_accum` rows of a loader; a step's rollouts are already its micro-batches
     trainer.batches = rollouts
     rollouts.model = trainer.model
@@ -530,9 +584,14 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
 
 
 def check_inputs(config: GRPORunConfig) -> None:
-    """Before anything is written: the model has a chat tokenizer, and the environment builds with its options."""
+    """Before anything is written: the layout runs here, the model has a chat tokenizer, and the environment builds
+    with its options."""
     from hybridtron.data.chat import load_chat_tokenizer
-    from hybridtron.post.rollout import load_env
+    from hybridtron.post.rollout import learner_layout, load_env
+
+    rows, seq_len = micro_batch_shape(config)
+    learner_layout(config.dist, config.model, rows=rows, seq_len=seq_len, routing_replay=config.grpo.routing_replay,
+                   what="GRPO")
 
     load_chat_tokenizer(config.base_model, vocab_size=config.model.vocab_size, require_template=True)
     try:
@@ -554,7 +613,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                         "and chat template (e.g. runs/sft/hf; required unless --resume)")
     parser.add_argument("--env", help="the environment that grades the rollouts: math, code, or module.path:Class "
                                       "for your own (required unless --resume)")
-    add_run_arguments(parser, sections="[grpo], [train] and [monitor]", default_steps=GRPO_TRAIN["steps"],
+    add_run_arguments(parser, sections="[grpo], [train], [monitor] and [dist]", default_steps=GRPO_TRAIN["steps"],
                       set_example="--set grpo.group_size=8 --set grpo.async_rollouts=true",
                       config_default="GRPO's defaults", quiet_help="no progress bar")
 

@@ -59,12 +59,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridtron.config import ModelConfig
+from hybridtron.dist.config import DistConfig
+from hybridtron.post.grpo import THINKING, RolloutObjective
+from hybridtron.post.roles import BACKENDS
 
 if TYPE_CHECKING:  # imported with torch, when a run starts
     from hybridtron.train.config import TrainConfig
@@ -73,8 +77,6 @@ if TYPE_CHECKING:  # imported with torch, when a run starts
 # [train] defaults of MOPD, GRPO's (a small constant LR after a short warmup, 4 micro-batches a step)
 MOPD_TRAIN = dict(steps=100, lr=1e-4, warmup_steps=5, decay_fraction=0.0, grad_accum=4, checkpoint_every=20)
 MODEL_FIXED = "the model is fixed by --student (its config.json); MOPD trains the weights, not the architecture"
-THINKING = {"auto": None, "on": True, "off": False}
-BACKENDS = ("inline", "process", "ray")
 WARMUP_DATA = ("env", "teacher")
 WARMUP_DIR, WARMUP_FILE = "warmup", "warmup_data.jsonl"
 
@@ -235,6 +237,7 @@ class MOPDRunConfig:
     mopd: MOPDConfig
     train: TrainConfig
     monitor: MonitorConfig
+    dist: DistConfig = DistConfig()  # the learner's layout under torchrun (GRPO's rules: hybridtron.post.rollout)
 
     @property
     def panel(self):
@@ -243,7 +246,7 @@ class MOPDRunConfig:
         return TeacherPanel(dict(self.teachers), self.general)
 
     def sections(self) -> dict:
-        return {"mopd": self.mopd, "train": self.train, "monitor": self.monitor}
+        return {"mopd": self.mopd, "train": self.train, "monitor": self.monitor, "dist": self.dist}
 
     def to_dict(self) -> dict:
         from hybridtron.train.config import _plain
@@ -260,37 +263,30 @@ class MOPDRunConfig:
                 + (f" --general {self.general}" if self.general else ""))
 
     def to_toml(self) -> str:
-        """[mopd], [train] and [monitor] as TOML that `--config` reads back; [model] is the student's."""
-        from hybridtron.train.config import section_toml
+        """[mopd], [train], [monitor] and [dist] as TOML that `--config` reads back; [model] is the student's."""
+        from hybridtron.train.run import sections_toml
 
-        lines = [f"# {self.command()}", f"# [model] is {self.student}/config.json, fixed by --student", ""]
-        for name, section in self.sections().items():
-            lines += section_toml(name, section) + [""]
-        return "\n".join(lines)
+        return (f"# {self.command()}\n# [model] is {self.student}/config.json, fixed by --student\n\n"
+                + sections_toml(self.sections()))
 
     @classmethod
     def load(cls, path: str | Path) -> "MOPDRunConfig":
-        from hybridtron.train.config import TrainConfig, _build
+        from hybridtron.train.config import TrainConfig, _build, read_run_config
         from hybridtron.train.monitor.config import MonitorConfig
 
-        try:
-            raw = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        missing = [key for key in ("student", "teachers", "model", "mopd", "train") if key not in raw]
-        if missing:
-            raise ValueError(f"{path}: not the run config of a MOPD run (no {', '.join(missing)})")
+        raw = read_run_config(path, ("student", "teachers", "model", "mopd", "train"), "a MOPD run")
         return cls(student=raw["student"], teachers=dict(raw["teachers"]), general=raw.get("general"),
                    model=ModelConfig.from_hf(raw["model"]), mopd=_build(MOPDConfig, raw["mopd"], "mopd"),
                    train=_build(TrainConfig, raw["train"], "train"),
-                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"))
+                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"),
+                   dist=_build(DistConfig, raw.get("dist", {}), "dist"))
 
 
 def default_sections() -> dict:
     from hybridtron.train.config import TrainConfig
     from hybridtron.train.monitor.config import MonitorConfig
 
-    return {"mopd": MOPDConfig(), "train": TrainConfig(**MOPD_TRAIN), "monitor": MonitorConfig()}
+    return {"mopd": MOPDConfig(), "train": TrainConfig(**MOPD_TRAIN), "monitor": MonitorConfig(), "dist": DistConfig()}
 
 
 def _same_dir(a: str | None, b: str | None) -> bool:
@@ -341,12 +337,12 @@ def resolve_config(args) -> MOPDRunConfig:
 
 
 # ---------------------------------------------------------------------------------------------- the loss
-class MOPDObjective:
+class MOPDObjective(RolloutObjective):
     """The MOPD loss of a micro-batch of scored rollouts (`hybridtron.post.rollout.RolloutMicroBatch` with
     `scores["teacher"]`), as a `Trainer` objective; see the module docstring.
 
     `domains`: those the prompts come from (each gets its `reverse_kl/<domain>`); `mtp_depths`: the model's;
-    `data_sum` (data parallelism): sums a tensor over the data-parallel ranks, for the step's global counts.
+    `parallel` (a sharded learner): see RolloutObjective.
 
     Metrics, each the step's value: loss, policy_loss, mtp_loss_<d>; over the completion tokens: reverse_kl (mean
     of log pi_student - log pi_teacher on the student's samples), reverse_kl/<domain>, teacher_logp,
@@ -355,39 +351,21 @@ class MOPDObjective:
 
     headline = ("reverse_kl", "rkl")
 
-    def __init__(self, config: MOPDConfig, domains: list[str], mtp_depths: int, *, data_sum=None):
-        self.config, self.loss_config = config, config.loss_config()
+    def __init__(self, config: MOPDConfig, domains: list[str], mtp_depths: int, *, parallel=None):
+        super().__init__(config, mtp_depths, parallel)
         self.domains = list(domains)
-        self.mtp_depths = mtp_depths if config.mtp_loss_weight > 0 else 0
-        self.data_sum = data_sum
-        # the step's completion tokens, completion sequences, each domain's completion tokens, each MTP depth's targets
-        self.counts: list[float] = []
-        self.micro_batches = 1
 
-    def begin_step(self, micro_batches) -> None:
-        import torch
-
-        from hybridtron.model.lm import mtp_targets
-        from hybridtron.ops.cross_entropy import IGNORE_INDEX
-
-        rows = []
-        for mb in micro_batches:
-            mask = mb.completion_mask
-            per_row = mask.sum(dim=1)
-            rows.append([mask.sum(), mask.any(dim=1).sum()]
-                        + [per_row[self._rows_of(mb, d)].sum() for d in self.domains]
-                        + [(mtp_targets(mb.labels, d) != IGNORE_INDEX).sum() for d in range(1, self.mtp_depths + 1)])
-        counts = torch.tensor(rows, dtype=torch.float64).sum(dim=0)
-        if self.data_sum is not None:
-            counts = self.data_sum(counts)
-        self.counts = counts.tolist()
-        self.micro_batches = len(micro_batches)
+    def row_counts(self, mb) -> list:
+        """completion tokens, completion sequences, each domain's completion tokens"""
+        mask = mb.completion_mask
+        per_row = mask.sum(dim=1)
+        return [mask.sum(), mask.any(dim=1).sum()] + [per_row[self._rows_of(mb, d)].sum() for d in self.domains]
 
     @staticmethod
     def _rows_of(mb, domain: str):
         import torch
 
-        return torch.tensor([d == domain for d in mb.domains], dtype=torch.bool)
+        return torch.tensor([d == domain for d in mb.domains], dtype=torch.bool, device=mb.labels.device)
 
     def __call__(self, model, mb):
         import torch
@@ -397,7 +375,8 @@ class MOPDObjective:
         from hybridtron.post.losses import masked_mean, mopd_loss, token_entropy
         from hybridtron.post.sft import sft_loss
         from hybridtron.post.teachers import TEACHER_SCORE
-        from hybridtron.train.objectives import ObjectiveOutput, router_counts
+        from hybridtron.post.rollout import rollout_router_counts
+        from hybridtron.train.objectives import ObjectiveOutput
 
         cfg, loss_cfg = self.config, self.loss_config
         if TEACHER_SCORE not in mb.scores:
@@ -425,7 +404,7 @@ class MOPDObjective:
                    **{f"mtp_loss_{d}": m.detach() * scale for d, m in enumerate(mtp_losses, start=1)},
                    **{key: value.float() * share * scale for key, value in policy_metrics.items()},
                    **{key: masked_mean(value, mask) * share * scale for key, value in per_token.items()},
-                   "completion_tokens": torch.tensor(total_tokens, dtype=torch.float32)}
+                   "completion_tokens": torch.tensor(total_tokens / self.data_ranks, dtype=torch.float32)}
         reverse_kl = logp.detach() - teacher.float()
         for index, domain in enumerate(self.domains):
             domain_mask = mask & self._rows_of(mb, domain).unsqueeze(1)
@@ -433,15 +412,8 @@ class MOPDObjective:
             value = torch.where(domain_mask, reverse_kl, 0.0).sum() / domain_tokens if domain_tokens else \
                 torch.zeros(())
             metrics[f"reverse_kl/{domain}"] = value * scale
-        metrics.update({key: torch.tensor(float(value)) for key, value in mb.stats.items()})
-        counts = router_counts(model, out)
-        valid = mb.valid.flatten()
-        for name, moe in model.routers().items():
-            if name.startswith("mtp."):  # without the MTP loss the block does not run: its routers saw no token
-                counts.setdefault(name, torch.zeros(moe.gate.num_experts, dtype=torch.long))
-            else:  # backbone routers: the real tokens, not the padding
-                counts[name] = torch.bincount(moe.last_expert_ids[valid].flatten(), minlength=moe.gate.num_experts)
-        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), counts)
+        metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
+        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), rollout_router_counts(model, out, mb))
 
 
 # --------------------------------------------------------------------------------------------- evaluation
@@ -452,7 +424,7 @@ class DomainAccuracy:
     key = "pass_at_1"
 
     def __init__(self, mixture, tokenizer, config: MOPDConfig):
-        from hybridtron.post.grpo import HeldOutAccuracy
+        from hybridtron.post.grpo import HeldOutAccuracy, PolicySnapshot
 
         self.every = config.eval_every
         self.by_domain = {env.domain: HeldOutAccuracy(env, env.tasks("test", config.eval_tasks, config.seed),
@@ -461,20 +433,28 @@ class DomainAccuracy:
                                                       enable_thinking=config.enable_thinking)
                           for env in mixture.members}
         self.history: list[tuple[int, float]] = []
+        self.snapshot = PolicySnapshot()
 
     def due(self, step: int, total_steps: int) -> bool:
         return step % self.every == 0 or step == total_steps
 
-    def evaluate(self, trainer) -> dict[str, float]:
+    def measure(self, model) -> dict[str, float]:
         values = {}
         for domain, evaluator in self.by_domain.items():
-            result = evaluator.evaluate(trainer)
+            result = evaluator.measure(model)
             values[f"pass_at_1/{domain}"] = result["pass_at_1"]
             values[f"eval_mean_reward/{domain}"] = result["eval_mean_reward"]
             values[f"eval_response_length/{domain}"] = result["eval_response_length"]
-        mean = sum(values[f"pass_at_1/{d}"] for d in self.by_domain) / len(self.by_domain)
-        self.history.append((trainer.step, mean))
-        return {self.key: mean, **values}
+        return {self.key: sum(values[f"pass_at_1/{d}"] for d in self.by_domain) / len(self.by_domain), **values}
+
+    def evaluate(self, trainer) -> dict[str, float]:
+        from hybridtron.post.grpo import evaluate_on_main
+
+        values = evaluate_on_main(trainer, self.snapshot, self.measure)
+        for domain, evaluator in self.by_domain.items():
+            evaluator.history.append((trainer.step, values[f"pass_at_1/{domain}"]))
+        self.history.append((trainer.step, values[self.key]))
+        return values
 
     def state_dict(self):
         return {"history": list(self.history), "domains": {d: e.state_dict() for d, e in self.by_domain.items()}}
@@ -540,7 +520,7 @@ def warmup_run_config(config: MOPDRunConfig, data_file: Path):
     sft = SFTConfig(train_on_thinking=mopd.warmup_train_on_thinking, seq_len=mopd.warmup_seq_len,
                     batch_size=mopd.warmup_batch_size, val_batches=2, seed=mopd.seed)
     return SFTRunConfig(base_model=config.student, data=str(data_file), model=config.model, sft=sft,
-                        train=sft_train, monitor=config.monitor)
+                        train=sft_train, monitor=config.monitor, dist=config.dist)
 
 
 def run_warmup(config: MOPDRunConfig, out: Path, *, resume: bool, quiet: bool) -> Path:
@@ -555,7 +535,9 @@ def run_warmup(config: MOPDRunConfig, out: Path, *, resume: bool, quiet: bool) -
     data_file = out / WARMUP_FILE
     tokenizer = load_chat_tokenizer(config.student, vocab_size=config.model.vocab_size)
     if not data_file.is_file():  # written once: a resumed warmup reads the same conversations
-        write_jsonl(data_file.with_suffix(".tmp"), warmup_examples(config, tokenizer)).replace(data_file)
+        # under torchrun every rank makes the same file and renames its own copy into place
+        staging = data_file.with_suffix(f".tmp{os.environ.get('RANK', '0')}")
+        write_jsonl(staging, warmup_examples(config, tokenizer)).replace(data_file)
     sft_config = warmup_run_config(config, data_file)
     args = argparse.Namespace(out=str(directory), resume=resume, steps=None)
     result = train_in_run_dir(args, sft_config, sft.SFTRunConfig.load,
@@ -563,11 +545,11 @@ def run_warmup(config: MOPDRunConfig, out: Path, *, resume: bool, quiet: bool) -
                                                                              quiet=quiet))
     if result is not None:
         trainer, tokenizer = result
-        export_model(trainer, directory / "hf")
-        save_tokenizer_files(tokenizer, directory / "hf", model_max_length=config.model.max_position_embeddings)
-        history = trainer.evaluators[0].history if trainer.evaluators else []
-        if history:
-            print(f"warmup: validation loss {history[0][1]:.3f} -> {history[-1][1]:.3f}", file=sys.stderr)
+        if export_model(trainer, directory / "hf"):  # under torchrun: gathered, written by global rank 0
+            save_tokenizer_files(tokenizer, directory / "hf", model_max_length=config.model.max_position_embeddings)
+            history = trainer.evaluators[0].history if trainer.evaluators else []
+            if history:
+                print(f"warmup: validation loss {history[0][1]:.3f} -> {history[-1][1]:.3f}", file=sys.stderr)
     return directory / "hf"
 
 
@@ -592,6 +574,13 @@ def role_specs(config: MOPDRunConfig, student_dir: str | Path, backend: str) -> 
                                               threads=threads), resources=placement(mopd.teacher_ray_resource))]
 
 
+def micro_batch_shape(config: MOPDRunConfig) -> tuple[int, int]:
+    """(rows, positions) of a micro-batch at most: one rollout a prompt over grad_accum micro-batches, each a prompt
+    (128 tokens budgeted) plus its completion."""
+    rows = -(-config.mopd.prompts_per_step // config.train.grad_accum)
+    return rows, min(config.model.max_position_embeddings, 128 + config.mopd.max_new_tokens)
+
+
 def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, checkpoints, *, quiet: bool,
                   stream=None):
     """The MOPD run of `config` in `out`, from the student in `student_dir` (--student, or the warmup's export):
@@ -601,26 +590,30 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
     from hybridtron.post.grpo import RunParts
-    from hybridtron.post.rollout import RolloutBatches, rollout_pipeline_factory
-    from hybridtron.train.run import assemble_trainer, prepare_process
+    from hybridtron.post.rollout import RolloutBatches, learner_layout, rollout_pipeline_factory
+    from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
 
     stream = sys.stderr if stream is None else stream
     train, mopd, model_config = config.train, config.mopd, config.model
+    rows, seq_len = micro_batch_shape(config)
+    # under torchrun: rank 0 runs the rollout and teacher roles; every rank trains on its rows (RolloutBatches)
+    parallel = start_parallel(config.dist, model_config, **learner_layout(
+        config.dist, model_config, rows=rows, seq_len=seq_len, routing_replay=mopd.routing_replay, what="MOPD"))
+    quiet = quiet or (parallel is not None and not parallel.is_main)
     tokenizer = load_chat_tokenizer(student_dir, vocab_size=model_config.vocab_size)
-    rows = -(-mopd.prompts_per_step // train.grad_accum)
-    prepare_process(train, model_config, rows * min(model_config.max_position_embeddings, 128 + mopd.max_new_tokens),
-                    stream)
+    prepare_process(train, model_config, rows * seq_len, stream)
     model = load_pretrained(student_dir, config=model_config, dtype=torch.float32)
     staleness = mopd.staleness if mopd.async_rollouts else 0
     backend = mopd.rollout_backend if mopd.async_rollouts else "inline"
     rollouts = RolloutBatches(rollout_pipeline_factory(role_specs(config, student_dir, backend), backend, staleness),
                               model, staleness=staleness, grad_accum=train.grad_accum, total_steps=lambda: train.steps,
-                              pad_id=model_config.pad_token_id or 0)
+                              pad_id=model_config.pad_token_id or 0, parallel=parallel)
     mixture = mopd.mixture()
     evaluators = [DomainAccuracy(mixture, tokenizer, mopd)] if mopd.eval_tasks else []
-    objective = MOPDObjective(mopd, mixture.domains, model_config.mtp_num_depths if model_config.has_mtp else 0)
+    objective = MOPDObjective(mopd, mixture.domains, model_config.mtp_num_depths if model_config.has_mtp else 0,
+                              parallel=parallel)
     trainer = assemble_trainer(model, objective, rollouts, evaluators, train=train, monitor_config=config.monitor,
-                               out=out, checkpoints=checkpoints, quiet=quiet, stream=stream)
+                               out=out, checkpoints=checkpoints, quiet=quiet, stream=stream, parallel=parallel)
     # assemble_trainer reads `train.grad_accum` rows of a loader; a step's rollouts are already its micro-batches
     trainer.batches = rollouts
     rollouts.model = trainer.model
@@ -633,6 +626,11 @@ def check_inputs(config: MOPDRunConfig) -> None:
     and tokenizer; the environments build, with distinct domains, each with a teacher."""
     from hybridtron.data.chat import load_chat_tokenizer
 
+    from hybridtron.post.rollout import learner_layout
+
+    rows, seq_len = micro_batch_shape(config)
+    learner_layout(config.dist, config.model, rows=rows, seq_len=seq_len, routing_replay=config.mopd.routing_replay,
+                   what="MOPD")
     student = Path(config.student)
     load_chat_tokenizer(student, vocab_size=config.model.vocab_size, require_template=True)
     panel = config.panel
@@ -673,7 +671,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                            "every domain's teacher, or --resume)")
     parser.add_argument("--general", help="the fallback teacher of every domain --teachers does not name (in the "
                                           "recipe the RLVR student itself; default: none, every domain needs one)")
-    add_run_arguments(parser, sections="[mopd], [train] and [monitor]", default_steps=MOPD_TRAIN["steps"],
+    add_run_arguments(parser, sections="[mopd], [train], [monitor] and [dist]", default_steps=MOPD_TRAIN["steps"],
                       set_example="--set mopd.warmup_steps=0 --set mopd.async_rollouts=true",
                       config_default="MOPD's defaults", quiet_help="no progress bar")
 
@@ -681,7 +679,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     """The command (also what `hybridtron pipeline` calls, with an argparse Namespace of the options above)."""
     from hybridtron.checkpoint.dcp import CheckpointManager
-    from hybridtron.train.run import RUN_CONFIG, finish_run, finished_run, pass_at_1_line, train_in_run_dir
+    from hybridtron.train.run import (RUN_CONFIG, finish_run, finished_run, is_main_process, pass_at_1_line,
+                                      train_in_run_dir)
 
     config = resolve_config(args)
     if args.print_config:
@@ -702,7 +701,8 @@ def run(args) -> int:
             raise ValueError(f"{out}: holds an unfinished run (checkpoints in {started[0]}); pass --resume to "
                              "continue it, or choose another --out for a new run")
         out.mkdir(parents=True, exist_ok=True)
-        config.save(out / RUN_CONFIG)  # before the warmup: a run killed in it resumes from this file
+        if is_main_process():
+            config.save(out / RUN_CONFIG)  # before the warmup: a run killed in it resumes from this file
     student_dir = Path(config.student)
     if config.mopd.warmup_steps > 0 and not complete:
         student_dir = run_warmup(config, out, resume=_has_checkpoints(out / WARMUP_DIR / "checkpoints"),

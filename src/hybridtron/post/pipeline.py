@@ -947,6 +947,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from hybridtron.train.run import refuse_torchrun
+
+    refuse_torchrun("pipeline")  # its stages run in this process, one after another
     config = resolve_config(args)
     if args.print_config:
         print(config.to_toml(), end="")

@@ -354,6 +354,56 @@ class RolloutMicroBatch:
         """The tokens of the policy loss: completion tokens of informative groups."""
         return self.completion_mask & self.trained.unsqueeze(1)
 
+    def padded(self, rows: int, length: int, pad_id: int = 0) -> "RolloutMicroBatch":
+        """This micro-batch with padding rows and positions appended up to [rows, length]: padding is no
+        completion token and not valid, so it adds nothing to any loss, count or metric."""
+        B, L = self.input_ids.shape
+        if (rows, length) == (B, L):
+            return self
+
+        def grown(tensor, fill):
+            out = torch.full((rows, length, *tensor.shape[2:]), fill, dtype=tensor.dtype)
+            out[:B, :L] = tensor
+            return out
+
+        expert_ids = None
+        if self.expert_ids is not None:  # padding routes to experts 0..K-1, as _pack_rows pads
+            expert_ids = {}
+            for name, ids in self.expert_ids.items():
+                full = torch.arange(ids.shape[-1]).expand(rows, length, ids.shape[-1]).clone()
+                full[:B, :L] = ids
+                expert_ids[name] = full
+        advantages, trained = torch.zeros(rows), torch.zeros(rows, dtype=torch.bool)
+        advantages[:B], trained[:B] = self.advantages, self.trained
+        return RolloutMicroBatch(
+            input_ids=grown(self.input_ids, pad_id), labels=grown(self.labels, IGNORE_INDEX),
+            rollout_logprobs=grown(self.rollout_logprobs, 0.0), advantages=advantages, trained=trained,
+            valid=grown(self.valid, False), expert_ids=expert_ids,
+            scores={name: grown(value, 0.0) for name, value in self.scores.items()}, stats=self.stats,
+            domains=self.domains + [""] * (rows - B))
+
+    def rows(self, start: int, stop: int, device=None) -> "RolloutMicroBatch":
+        """Rows [start, stop) (a data-parallel rank's share), on `device`."""
+        def take(tensor):
+            return tensor[start:stop].to(device)
+
+        return RolloutMicroBatch(
+            input_ids=take(self.input_ids), labels=take(self.labels), rollout_logprobs=take(self.rollout_logprobs),
+            advantages=take(self.advantages), trained=take(self.trained), valid=take(self.valid),
+            expert_ids=None if self.expert_ids is None else {k: take(v) for k, v in self.expert_ids.items()},
+            scores={k: take(v) for k, v in self.scores.items()}, stats=self.stats, domains=self.domains[start:stop])
+
+
+def shard_micro_batch(mb: RolloutMicroBatch, parallel, pad_id: int = 0) -> RolloutMicroBatch:
+    """This rank's rows of a micro-batch under data parallelism: padded to whole rows per data-parallel rank (and,
+    with TP, to positions that split over the TP ranks), then split by the data-parallel rank."""
+    ranks, tp = parallel.layout.dp, parallel.layout.tp
+    B, L = mb.input_ids.shape
+    per_rank = -(-B // ranks)
+    mb = mb.padded(per_rank * ranks, -(-L // tp) * tp, pad_id)
+    start = parallel.data_rank * per_rank
+    return mb.rows(start, start + per_rank, parallel.device)
+
 
 def pack_micro_batches(batch: RolloutBatch, micro_batches: int, pad_id: int = 0) -> list[RolloutMicroBatch]:
     """Split a step's rollouts into `micro_batches` micro-batches of (nearly) equal row counts (fewer if there are
@@ -410,6 +460,21 @@ def _pack_rows(rollouts: list[Rollout], trained: list[bool], stats: dict, pad_id
         stats=dict(stats), domains=[r.domain for r in rollouts])
 
 
+def rollout_router_counts(model, out, mb: RolloutMicroBatch) -> dict[str, torch.Tensor]:
+    """The expert counts of a learner forward on rollouts (`ObjectiveOutput.counts`): every backbone router's over
+    the real tokens, not the padding; the MTP block's routers, when the MTP loss did not run them, count none."""
+    from hybridtron.train.objectives import router_counts
+
+    counts = router_counts(model, out)
+    valid = mb.valid.flatten()
+    for name, moe in model.routers().items():
+        if name.startswith("mtp."):
+            counts.setdefault(name, torch.zeros(moe.gate.num_experts, dtype=torch.long))
+        else:
+            counts[name] = torch.bincount(moe.last_expert_ids[valid].flatten(), minlength=moe.gate.num_experts)
+    return counts
+
+
 # ------------------------------------------------------------------------------------ the learner's end
 class RolloutBatches:
     """The learner's end of the rollout pipeline: the trainer's batch source (hybridtron.train.objectives), each
@@ -418,6 +483,11 @@ class RolloutBatches:
     `pipeline`: builds a `RolePipeline` whose first role is the rollout role (more roles may follow it: scoring
     roles that add `Rollout.scores`). `model`: the learner's policy, whose weights go to the rollout role before
     each new request. `total_steps`: a callable giving the run's last step (no batch is requested past it).
+
+    `parallel` (a sharded learner under torchrun, hybridtron.dist): the pipeline runs on global rank 0 alone.
+    Every rank joins the gathering of the full weights (`dist.step.full_state_dict`) that rank 0 hands to the
+    rollout role, rank 0 broadcasts the step's batch, and each rank trains on its data-parallel rows of every
+    micro-batch (`shard_micro_batch`), so the step is the one a single process takes.
 
     The protocol (see the module docstring): before the batch of step n is taken, the weights after step n - 1 go
     to the rollout role, followed by the request for batch n + staleness; so batch m is always sampled with the
@@ -430,10 +500,11 @@ class RolloutBatches:
     policy; the IS correction weights them as it does any stale batch."""
 
     def __init__(self, pipeline: Callable[[], RolePipeline], model, *, staleness: int, grad_accum: int,
-                 total_steps: Callable[[], int], pad_id: int = 0):
+                 total_steps: Callable[[], int], pad_id: int = 0, parallel=None):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
-        self.make_pipeline, self.model = pipeline, model
+        self.make_pipeline, self.model, self.parallel = pipeline, model, parallel
+        self.drives_pipeline = parallel is None or parallel.is_main
         self.staleness, self.grad_accum, self.total_steps, self.pad_id = staleness, grad_accum, total_steps, pad_id
         self.pipeline: RolePipeline | None = None
         self.consumed = 0  # batches the learner has taken (= its step, unless a rollback rewound it)
@@ -452,22 +523,36 @@ class RolloutBatches:
         self.requested = self.consumed + len(self.prefetched)
 
     def next_step(self) -> list[RolloutMicroBatch]:
-        if self.pipeline is None:
-            self._start()
         started = time.perf_counter()
-        self.pipeline.send_weights(ROLLOUT_ROLE, self.consumed, self.model.state_dict())
-        last = min(self.consumed + 1 + self.staleness, max(self.total_steps(), self.consumed + 1))
-        while self.requested < last:
-            self.requested += 1
-            self.pipeline.submit(RolloutRequest(self.requested))
-        batch = self.prefetched.pop(0) if self.prefetched else self._receive()
+        if self.parallel is None:
+            weights = self.model.state_dict()
+        else:
+            from hybridtron.dist.step import full_state_dict
+
+            weights = full_state_dict(self.model, self.parallel)  # every rank gathers; rank 0 holds the result
+        batch = self._next_batch(weights) if self.drives_pipeline else None
+        if self.parallel is not None:
+            batch = self.parallel.broadcast_object(batch)
         self.last_wait_s = time.perf_counter() - started
         assert batch.index == self.consumed + 1, f"batch {batch.index} arrived for step {self.consumed + 1}"
         self.consumed += 1
         stats = {**batch.stats, "rollout_wait_s": self.last_wait_s,
                  "policy_staleness": float(batch.index - 1 - batch.policy_version)}
         batch.stats = stats
-        return pack_micro_batches(batch, self.grad_accum, self.pad_id)
+        micro_batches = pack_micro_batches(batch, self.grad_accum, self.pad_id)
+        if self.parallel is not None:
+            micro_batches = [shard_micro_batch(mb, self.parallel, self.pad_id) for mb in micro_batches]
+        return micro_batches
+
+    def _next_batch(self, weights) -> RolloutBatch:
+        if self.pipeline is None:
+            self._start()
+        self.pipeline.send_weights(ROLLOUT_ROLE, self.consumed, weights)
+        last = min(self.consumed + 1 + self.staleness, max(self.total_steps(), self.consumed + 1))
+        while self.requested < last:
+            self.requested += 1
+            self.pipeline.submit(RolloutRequest(self.requested))
+        return self.prefetched.pop(0) if self.prefetched else self._receive()
 
     def _receive(self) -> RolloutBatch:
         delivery = self.pipeline.receive()
@@ -481,6 +566,7 @@ class RolloutBatches:
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
+        """(Under torchrun the checkpoint keeps global rank 0's, the one that drives the pipeline.)"""
         if self.pipeline is not None:  # wait for the batches sampled with weights older than the checkpoint's
             wanted = min(self.consumed + self.staleness, self.requested)
             while self.consumed + len(self.prefetched) < wanted:
@@ -491,8 +577,31 @@ class RolloutBatches:
     def load_state_dict(self, state: dict) -> None:
         self.close()  # a resume or a rollback: the roles restart from the state's point
         self.consumed = state["consumed"]
-        self.prefetched = list(state["prefetched"])
-        self.role_states = state["role_states"]
+        if self.drives_pipeline:
+            self.prefetched = list(state["prefetched"])
+            self.role_states = state["role_states"]
+
+
+def learner_layout(dist_config, model_config, *, rows: int, seq_len: int, routing_replay: bool, what: str) -> dict:
+    """The `start_parallel` arguments of an RL learner (GRPO, MOPD) whose micro-batches hold `rows` rollouts of up
+    to `seq_len` positions, after the checks of `dist.mesh.check_run_layout` (rows and positions are padded to
+    whole shares, so only the structural rules apply) and the RL learner's own: no pipeline parallelism (the
+    objective runs the model itself, with routing replay, which a pipeline schedule cannot), and no routing replay
+    under TP. A ValueError names the setting; no process group is built."""
+    from hybridtron.dist.mesh import Layout, check_run_layout, world_from_env
+
+    world = world_from_env()[0]
+    layout = Layout(**dist_config.degrees(world))
+    if layout.pp > 1:
+        raise ValueError(f"dist.pp={layout.pp}: {what}'s learner shards over dp and ep (and tp); its objective runs "
+                         "the model itself (routing replay, per-token rollout log-probs), which a pipeline schedule "
+                         "does not; use pp=1")
+    if layout.tp > 1 and routing_replay:
+        raise ValueError(f"dist.tp={layout.tp}: routing replay is not supported under tensor parallelism; set "
+                         f"{what.lower()}.routing_replay=false or dist.tp=1")
+    sizes = dict(batch_size=-(-rows // layout.dp) * layout.dp, grad_accum=1, seq_len=-(-seq_len // layout.tp) * layout.tp)
+    check_run_layout(dist_config, model_config, world, **sizes)
+    return sizes
 
 
 def rollout_pipeline_factory(specs: Sequence, backend: str, staleness: int, timeout_s: float = 3600.0

@@ -117,7 +117,7 @@ class SFTRunConfig:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2))
 
     def to_toml(self) -> str:
-        """[sft], [train] and [monitor] as TOML that `--config` reads back; [model] is the checkpoint's."""
+        """[sft], [train], [monitor] and [dist] as TOML that `--config` reads back; [model] is the checkpoint's."""
         from hybridtron.train.run import sections_toml
 
         return (f"# hybridtron sft --model {self.base_model} --data {self.data}\n"
@@ -126,16 +126,10 @@ class SFTRunConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "SFTRunConfig":
-        from hybridtron.train.config import TrainConfig, _build
+        from hybridtron.train.config import TrainConfig, _build, read_run_config
         from hybridtron.train.monitor.config import MonitorConfig
 
-        try:
-            raw = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        missing = [key for key in ("base_model", "data", "model", "sft", "train") if key not in raw]
-        if missing:
-            raise ValueError(f"{path}: not the run config of an SFT run (no {', '.join(missing)})")
+        raw = read_run_config(path, ("base_model", "data", "model", "sft", "train"), "an SFT run")
         return cls(base_model=raw["base_model"], data=raw["data"], model=ModelConfig.from_hf(raw["model"]),
                    sft=_build(SFTConfig, raw["sft"], "sft"), train=_build(TrainConfig, raw["train"], "train"),
                    monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"),
@@ -395,7 +389,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="conversations: a .jsonl file ({\"messages\": [...]} a line), a directory of "
                                        ".jsonl files, or env:NAME for an environment's worked solutions (env:math, "
                                        "env:code; required unless --resume)")
-    add_run_arguments(parser, sections="[sft], [train] and [monitor]", default_steps=SFT_TRAIN["steps"],
+    add_run_arguments(parser, sections="[sft], [train], [monitor] and [dist]", default_steps=SFT_TRAIN["steps"],
                       set_example="--set sft.train_on_thinking=true --set train.lr=1e-4",
                       config_default="SFT's defaults", quiet_help="no data summary and no progress bar")
 

@@ -111,13 +111,7 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "RunConfig":
-        try:
-            raw = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from None
-        missing = [section for section in ("model", "data", "train") if section not in raw]
-        if missing:
-            raise ValueError(f"{path}: not a run config (no {', '.join(missing)} section)")
+        raw = read_run_config(path, ("model", "data", "train"), "a pretraining run")
         return cls(model=ModelConfig.from_hf(raw["model"]), data=_build(DataConfig, raw["data"], "data"),
                    train=_build(TrainConfig, raw["train"], "train"),
                    monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"),
@@ -202,6 +196,19 @@ def _toml_value(value) -> str:
 def _plain(obj) -> dict:
     return {f.name: (list(v) if isinstance(v := getattr(obj, f.name), tuple) else v)
             for f in dataclasses.fields(obj)}
+
+
+def read_run_config(path: str | Path, required: tuple[str, ...], what: str) -> dict:
+    """A run's run_config.json as a dict holding every key of `required`, or a ValueError naming the file and what
+    it lacks (`what`: the kind of run, e.g. "an SFT run")."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    missing = [key for key in required if key not in raw]
+    if missing:
+        raise ValueError(f"{path}: not the run config of {what} (no {', '.join(missing)})")
+    return raw
 
 
 def _build(cls, values: dict, section: str):

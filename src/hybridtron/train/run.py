@@ -121,21 +121,26 @@ def merge_sections(base: dict[str, Any], toml_path: str | Path | None = None, ov
 
 
 def sections_toml(sections: dict[str, Any]) -> str:
-    """Sections of frozen dataclasses as TOML that `read_toml_sections` reads back to the same values."""
-    from hybridtron.train.config import _toml_value
+    """Sections of frozen dataclasses as TOML that `read_toml_sections` reads back to the same values, each field
+    with the comment its dataclass gives it."""
+    from hybridtron.train.config import section_toml
 
-    parts = []
-    for name, obj in sections.items():
-        parts.append(f"[{name}]")
-        parts += [f"{f.name} = {_toml_value(getattr(obj, f.name))}" for f in dataclasses.fields(obj)]
-        parts.append("")
-    return "\n".join(parts)
+    return "\n".join(line for name, obj in sections.items() for line in section_toml(name, obj) + [""])
 
 
 # ------------------------------------------------------------------------------------------- the trainer
 def is_main_process() -> bool:
     """Global rank 0 under torchrun (RANK), or a plain process: the one that writes the run directory."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def refuse_torchrun(command: str) -> None:
+    """A command that runs as one process stops under torchrun: N copies would each train and write one
+    directory."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(f"hybridtron {command} runs as one process (it does not shard over processes), but torchrun "
+                         f"started {world}; run it without torchrun")
 
 
 def restarted_by_torchrun() -> bool:
@@ -231,10 +236,6 @@ def train_in_run_dir(args, config, load_config: Callable[[Path], Any], build: Ca
 
     if not args.out:
         raise ValueError("--out is required: the run directory to create (e.g. --out runs/mine)")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not hasattr(config, "dist"):  # N unsharded copies would each train and write the run dir
-        raise ValueError(f"this command does not shard its training over processes yet (its config has no [dist] "
-                         f"section), but torchrun started {world}; run it as one process")
     out = Path(args.out)
     checkpoints = CheckpointManager(out / "checkpoints", keep=config.train.keep_checkpoints)
     main = is_main_process()

@@ -15,6 +15,7 @@ completion (`grading.GraderPool`); a timeout scores 0 and is counted in `env.sta
 from __future__ import annotations
 
 import random
+import zlib
 from fractions import Fraction
 from pathlib import Path
 from typing import Sequence
@@ -51,15 +52,45 @@ def level1(rng: random.Random) -> tuple[str, Fraction, str]:
     return f"What is {a} {op} {b}?", Fraction(result), f"{a} {op} {b} = {result}"
 
 
+def _column(a: int, b: int, op: str) -> tuple[int, str]:
+    """a op b (a >= b for "-") digit by digit, each step a one-digit fact:
+    47 + 85 -> "ones: 7 + 5 = 12. tens: 4 + 8 + 1 = 13. 47 + 85 = 132";
+    85 - 47 -> "ones: 15 - 7 = 8. tens: 8 - 1 - 4 = 3. 85 - 47 = 38"."""
+    assert op == "+" or a >= b
+    (a_tens, a_ones), (b_tens, b_ones) = divmod(a, 10), divmod(b, 10)
+    if op == "+":
+        carry = int(a_ones + b_ones >= 10)
+        ones = f"{a_ones} + {b_ones} = {a_ones + b_ones}"
+        tens = f"{a_tens} + {b_tens}" + (" + 1" if carry else "") + f" = {a_tens + b_tens + carry}"
+        result = a + b
+    else:
+        borrow = int(a_ones < b_ones)
+        ones = f"{a_ones + 10 * borrow} - {b_ones} = {a_ones + 10 * borrow - b_ones}"
+        tens = f"{a_tens}" + (" - 1" if borrow else "") + f" - {b_tens} = {a_tens - borrow - b_tens}"
+        result = a - b
+    return result, f"ones: {ones}. tens: {tens}. {a} {op} {b} = {result}"
+
+
 def level2(rng: random.Random) -> tuple[str, Fraction, str]:
+    """Two-digit + or -, traced in one of two styles (half the prompts each, fixed by the prompt's text so
+    that the task set does not depend on it): tens split off (`_add_or_subtract`) or digit columns
+    (`_column`). SFT teaches both; the column style needs only one-digit facts, which a small model gets
+    right far more often, so a policy that learns to choose it improves on every prompt (what GRPO can
+    find that SFT on this data does not)."""
     a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
+    prompt = f"What is {a} {op} {b}?"
+    trace_of = _column if zlib.crc32(prompt.encode()) % 2 else _add_or_subtract
     if op == "+" or a >= b:
-        result, trace = _add_or_subtract(a, b, op)
+        result, trace = trace_of(a, b, op)
+    elif trace_of is _column:  # 47 - 85 = -(85 - 47), then 85 - 47 by columns
+        difference, inner = _column(b, a, "-")
+        result = -difference
+        trace = f"{a} - {b} = -({b} - {a}). " + inner.rsplit(". ", 1)[0] + f". {a} - {b} = {result}"
     else:  # 47 - 85 = -(85 - 40 - 7) = -(45 - 7) = -38
         difference, inner = _add_or_subtract(b, a, "-")
         result, steps = -difference, inner.split(" = ")[1:-1]
         trace = " = ".join([f"{a} - {b}"] + [f"-({s})" for s in steps] + [str(result)])
-    return f"What is {a} {op} {b}?", Fraction(result), trace
+    return prompt, Fraction(result), trace
 
 
 def level3(rng: random.Random) -> tuple[str, Fraction, str]:

@@ -122,7 +122,9 @@ def run(args) -> int:
     from hybridtron.data.chat import TOKENIZER_FILES
     from hybridtron.infer.speculative import check_drafter
     from hybridtron.post.mtp_boost.training import boost_mtp, on_policy_samples
+    from hybridtron.train.run import refuse_torchrun
 
+    refuse_torchrun("mtp-boost")
     config = BoostConfig(steps=args.steps, lr=args.lr, batch_size=args.batch_size, depths=args.depths,
                          num_samples=args.num_samples, sample_length=args.sample_length,
                          draft_length=args.draft_length, seed=args.seed)

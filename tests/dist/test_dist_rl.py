@@ -1,0 +1,95 @@
+"""`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2, rank 0 runs
+the rollouts (and MOPD's teacher scoring), every rank trains on its rows of each micro-batch, and the per-step
+losses, gradient norms, rollout statistics and held-out pass@1 are those of one process (1e-5, fp32); a layout
+the RL learner cannot run fails before anything is written; commands that run as one process refuse torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridtron.checkpoint import load_pretrained
+from hybridtron.cli import main as cli_main
+
+POST_TESTS = Path(__file__).parents[1] / "post"
+sys.path.insert(0, str(POST_TESTS))  # the toy environments, importable by the torchrun workers too
+from test_grpo import _grpo, grpo_argv, policy_dir  # noqa: E402,F401  (policy_dir: the fixture)
+from test_mopd import _mopd, models, mopd_argv  # noqa: E402,F401  (models: the fixture)
+
+TOLERANCE = 1e-5
+COMPARED = ("loss", "lm_loss", "val_loss", "trained_tokens", "policy_loss", "mtp_loss_1", "mtp_loss_2", "grad_norm", "reward_mean", "groups_trained",
+            "policy_tokens", "completion_tokens", "entropy", "is_mismatch", "reverse_kl", "pass_at_1",
+            "eval_mean_reward")
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def torchrun(command: list[str], timeout: int) -> None:
+    """`command` (a hybridtron command line, e.g. `grpo_argv`'s) under torchrun on 2 processes."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "hybridtron", *command], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1",
+                               "PYTHONPATH": os.pathsep.join([str(POST_TESTS), os.environ.get("PYTHONPATH", "")])})
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def assert_same_steps(world2: list[dict], single: list[dict]) -> None:
+    assert [r["step"] for r in world2] == [r["step"] for r in single]  # one writer: no line twice
+    compared = 0
+    for got, want in zip(world2, single):
+        for key in COMPARED:
+            if key in want:
+                scale = max(1.0, abs(want[key]))
+                assert abs(got[key] - want[key]) <= TOLERANCE * scale, (want["step"], key, got[key], want[key])
+                compared += 1
+    assert compared > 10
+
+
+@pytest.mark.timeout(300)
+def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path):
+    extra = ("--steps", "3", "--set", "train.lr=1e-3")
+    assert _grpo(policy_dir, tmp_path / "single", *extra) == 0
+    torchrun(grpo_argv(policy_dir, tmp_path / "world2", *extra, "--set", "dist.ep=2"), timeout=280)
+    single, world2 = records(tmp_path / "single"), records(tmp_path / "world2")
+    assert any(r.get("groups_trained", 0) > 0 for r in single)  # the policy loss did train
+    assert "pass_at_1" in single[0] and "pass_at_1" in single[-1]
+    assert_same_steps(world2, single)
+    ours, theirs = load_pretrained(tmp_path / "world2" / "hf"), load_pretrained(tmp_path / "single" / "hf")
+    for name, tensor in theirs.state_dict().items():
+        assert (ours.state_dict()[name] - tensor).abs().max() < 1e-5, name
+
+
+@pytest.mark.timeout(300)
+def test_mopd_with_its_warmup_on_two_processes_matches_one_process(models, tmp_path):
+    extra = ("--steps", "2", "--set", "mopd.warmup_steps=2", "--set", "train.lr=1e-3")
+    assert _mopd(models, tmp_path / "single", *extra) == 0
+    torchrun(mopd_argv(models, tmp_path / "world2", *extra, "--set", "dist.ep=2"), timeout=280)
+    assert_same_steps(records(tmp_path / "world2"), records(tmp_path / "single"))
+    assert_same_steps(records(tmp_path / "world2" / "warmup"), records(tmp_path / "single" / "warmup"))
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("dist.pp=2", "dist.pp=2: GRPO's learner shards over dp and ep"),
+    ("dist.tp=2", "dist.tp=2: routing replay is not supported under tensor parallelism"),
+])
+def test_an_rl_layout_it_cannot_run_fails_before_writing_anything(policy_dir, tmp_path, capsys, monkeypatch,
+                                                                   setting, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; no process group is built before the check
+    out = tmp_path / "grpo"
+    assert _grpo(policy_dir, out, "--set", setting) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_one_process_command_refuses_torchrun(policy_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli_main(["mtp-boost", "--model", str(policy_dir), "--out", str(tmp_path / "boost")]) == 2
+    assert "hybridtron mtp-boost runs as one process" in capsys.readouterr().err
+    assert not (tmp_path / "boost").exists()
