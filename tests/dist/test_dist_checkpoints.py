@@ -121,12 +121,12 @@ def test_a_single_process_checkpoint_resumes_on_two_processes_with_tp(runs, tmp_
     assert_same_curve(records(resumed), records(root / "single"), range(5, STEPS + 1))
 
 
-@pytest.mark.timeout(600)
-def test_kill_9_of_one_rank_then_a_torchrun_restart_resumes_from_the_last_complete_checkpoint(runs, tmp_path):
-    root, cache = runs
-    out = tmp_path / "killed"
-    job = subprocess.Popen(command(2, out, "--steps", str(STEPS), "--set", "dist.ep=2"), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=environment(cache), start_new_session=True)
+def kill_one_rank_after_the_first_checkpoint(out: Path, cache: Path, restarts: int) -> subprocess.Popen:
+    """A 2-process run under torchrun (`--max-restarts restarts`) whose last worker is killed with SIGKILL once its
+    first checkpoint is on disk; returns the finished torchrun process (its stderr read)."""
+    job = subprocess.Popen(command(2, out, "--steps", str(STEPS), "--set", "dist.ep=2", restarts=restarts),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(cache),
+                           start_new_session=True)
     try:
         first = out / "checkpoints" / "step_000002"
         deadline = time.time() + 240
@@ -137,10 +137,18 @@ def test_kill_9_of_one_rank_then_a_torchrun_restart_resumes_from_the_last_comple
                                                       text=True).stdout.split()]
         assert workers, "torchrun has no workers"
         os.kill(workers[-1], signal.SIGKILL)  # one rank, mid-run: torchrun then stops the others
-        job.communicate(timeout=120)
+        job.stderr_text = job.communicate(timeout=240)[1]
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+    return job
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_of_one_rank_then_a_torchrun_restart_resumes_from_the_last_complete_checkpoint(runs, tmp_path):
+    root, cache = runs
+    out = tmp_path / "killed"
+    job = kill_one_rank_after_the_first_checkpoint(out, cache, restarts=0)
     assert job.returncode != 0
     latest = max(int(path.name.removeprefix("step_")) for path in (out / "checkpoints").glob("step_??????"))
     assert 2 <= latest < STEPS  # the kill came before the end; a half-written save, if any, is not listed
@@ -148,6 +156,19 @@ def test_kill_9_of_one_rank_then_a_torchrun_restart_resumes_from_the_last_comple
     assert f"resumed from {out / 'checkpoints' / f'step_{latest:06d}'}" in done.stderr
     assert not list((out / "checkpoints").glob("*.tmp-*"))
     assert_same_curve(records(out), records(root / "single"), range(1, STEPS + 1))
+
+
+@pytest.mark.timeout(600)
+def test_kill_9_of_one_rank_with_max_restarts_recovers_in_place(runs, tmp_path):
+    """torchrun's own restart (`--max-restarts 1`): the restarted workers find the checkpoints and resume from the
+    last complete one (`train.run.restarted_by_torchrun`), and the job ends well with the uninterrupted curve."""
+    root, cache = runs
+    out = tmp_path / "restarted"
+    job = kill_one_rank_after_the_first_checkpoint(out, cache, restarts=1)
+    assert job.returncode == 0, job.stderr_text[-4000:]
+    assert "resumed from" in job.stderr_text
+    assert_same_curve(records(out), records(root / "single"), range(1, STEPS + 1))
+    assert (out / "hf" / "config.json").is_file()
 
 
 @pytest.mark.timeout(300)

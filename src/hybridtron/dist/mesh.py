@@ -177,10 +177,25 @@ def init_parallel(config: DistConfig, model: ModelConfig, *, batch_size: int, gr
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("dist.backend=nccl needs CUDA devices; this machine has none (use gloo or auto)")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                **_attempt_store(world, rank, timeout))
     return Parallel(config=config, layout=layout, rank=rank, world=world, device=device,
                     meshes=build_meshes(layout, device.type))
+
+
+def _attempt_store(world: int, rank: int, timeout: datetime.timedelta) -> dict:
+    """After a torchrun restart (`--max-restarts`), the process group's store under a prefix of its own. torchrun
+    shares its rendezvous store with the workers, and that store still holds the failed attempt's keys, so a
+    restarted worker reads the addresses of dead peers and gloo's connect is refused (pytorch/pytorch#135712; also
+    avoided by launching with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1). The restart count is the agents' own: it
+    agrees across nodes as long as every agent restarted the same number of times."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return {"store": dist.PrefixStore(f"hybridtron/attempt_{restart}", store), "rank": rank, "world_size": world}
 
 
 def build_meshes(layout: Layout, device_type: str) -> dict[str, DeviceMesh]:
