@@ -134,6 +134,13 @@ def test_bad_configuration_gives_a_clear_error_before_anything_runs(tmp_path, ca
     assert not out.exists()
 
 
+def test_a_warmup_asking_for_more_tasks_than_a_domain_has_fails_before_the_first_stage(tmp_path, capsys):
+    out = tmp_path / "pipe"
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--set", "mopd_warmup.examples=5000"]) == 2
+    assert "mopd_warmup.examples=5000: " in capsys.readouterr().err
+    assert not (out / "pretrain").exists()
+
+
 @pytest.mark.parametrize("text, message", [
     ("[rlvr\nsteps = 3", "invalid TOML"),
     ("[optimizer]\nlr = 1", "unknown section [optimizer]"),

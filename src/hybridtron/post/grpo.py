@@ -452,8 +452,8 @@ class PolicySnapshot:
         state = full_state_dict(trainer.model, trainer.parallel)
         if state is None:
             return None
-        if self.copy is None:
-            self.copy = HybridLM(trainer.model.config, init=False)
+        if self.copy is None:  # on the run's device (the gathered tensors arrive on the CPU)
+            self.copy = HybridLM(trainer.model.config, init=False).to(trainer.parallel.device)
         self.copy.load_state_dict(state)
         return self.copy
 

@@ -133,7 +133,7 @@ class EvalConfig:
 
     math_tasks: int = 60
     code_tasks: int = 18  # every test-split code task of levels 1-2 (the code environment has 18 of them, 268 train)
-    max_tokens: int = 64  # math completion cap
+    max_tokens: int = 80  # math completion cap (a column-style trace is up to 62 tokens)
     code_max_tokens: int = 96
     batch_size: int = 50
     val_conversations: int = 36  # held-out math + code tasks (half each) whose reference turns the loss is on
@@ -244,7 +244,7 @@ def _stage(steps: int, *settings: str, enabled: bool = True, examples: int = 0) 
 
 # The GRPO settings both presets share: 8 completions of 8 prompts a step, short completions, no MTP drafts in the
 # rollouts (the evaluation measures acceptance), the held-out pass@1 of the stage evaluation instead of GRPO's own.
-_GRPO = ("grpo.group_size=8", "grpo.prompts_per_step=8", "grpo.max_new_tokens=48", "grpo.speculative=false",
+_GRPO = ("grpo.group_size=8", "grpo.prompts_per_step=8", "grpo.max_new_tokens=64", "grpo.speculative=false",
          "grpo.eval_tasks=0", "train.checkpoint_every=10")
 
 # MOPD: 32 prompts a step (one completion each, half math, half code), the same completion cap and rollouts as GRPO
@@ -271,11 +271,11 @@ PRESET_STAGES: dict[str, dict[str, StageConfig]] = {
         "code_teacher": _stage(100, "sft.train_on_thinking=true", "sft.env_examples=250", "train.val_every=50",
                                "train.checkpoint_every=50"),
         "code_teacher_rl": _stage(10, *_GRPO, enabled=False),
-        "mopd_warmup": _stage(20, "sft.train_on_thinking=true", "train.lr=0.0005", "train.val_every=20",
+        "mopd_warmup": _stage(40, "sft.train_on_thinking=true", "train.lr=0.001", "train.val_every=20",
                               "train.checkpoint_every=20", examples=200),
-        "mopd_1": _stage(10, *_MOPD),
-        "mopd_2": _stage(10, *_MOPD),
-        "mopd_no_warmup": _stage(10, *_MOPD),
+        "mopd_1": _stage(20, *_MOPD, "train.lr=0.0005"),
+        "mopd_2": _stage(20, *_MOPD, "train.lr=0.0005"),
+        "mopd_no_warmup": _stage(20, *_MOPD, "train.lr=0.0005"),
         "mtp_boost": _stage(30, "boost.num_samples=64", "boost.sample_length=48", "boost.draft_length=3"),
     },
     # CI: every stage for a step or two on a 512-token vocabulary and a few stdlib families
@@ -581,6 +581,22 @@ def _parse_command_args(stage: Stage, argv: list[str]):
                          f"command's parser (see above)") from None
 
 
+def check_warmup_tasks(config: PipelineConfig) -> None:
+    """Before the first stage: each teacher domain has `mopd_warmup.examples` distinct training tasks at the
+    pipeline's levels (a ValueError naming the setting otherwise)."""
+    from hybridtron.post.envs import get_env
+
+    if "mopd_warmup" not in active_stages(config):
+        return
+    count = config.stages["mopd_warmup"].examples
+    for domain in (MATH_DOMAIN, CODE_DOMAIN):
+        with get_env(domain, levels=tuple(config.pipeline.levels)) as env:
+            try:
+                env.tasks("train", count, seed=1)
+            except ValueError as exc:
+                raise ValueError(f"mopd_warmup.examples={count}: {exc}") from None
+
+
 def write_warmup_data(config: PipelineConfig, path: Path) -> int:
     """The teachers' training data for the warmup: `examples` worked solutions of each teacher domain (the math
     and code environments' training splits, the levels the teachers trained on), one JSONL file."""
@@ -730,6 +746,7 @@ def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str
     prints = fingerprints(config, out)
     eval_print = hashlib.sha256(json.dumps(_plain(config.eval), sort_keys=True).encode()).hexdigest()[:16]
     material = eval_set(config)  # drawn first: an environment without enough test tasks fails now, not in an hour
+    check_warmup_tasks(config)  # and one without enough training tasks for the warmup's data
     for name in active_stages(config):
         record = _read_json(out / name / STAGE_FILE)
         if record is not None and record.get("fingerprint") != prints[name]:
