@@ -74,9 +74,9 @@ def _column(a: int, b: int, op: str) -> tuple[int, str]:
 def level2(rng: random.Random) -> tuple[str, Fraction, str]:
     """Two-digit + or -, traced in one of two styles (half the prompts each, fixed by the prompt's text so
     that the task set does not depend on it): tens split off (`_add_or_subtract`) or digit columns
-    (`_column`). SFT teaches both; the column style needs only one-digit facts, which a small model gets
-    right far more often, so a policy that learns to choose it improves on every prompt (what GRPO can
-    find that SFT on this data does not)."""
+    (`_column`). SFT teaches both, and a policy may learn which one to choose: the column style needs only
+    one-digit facts, and the tiny SFT model is right on 23% of the tasks it traces that way against 3% the
+    other way (docs/LOG.md, 2026-12-01, session 5)."""
     a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
     prompt = f"What is {a} {op} {b}?"
     trace_of = _column if zlib.crc32(prompt.encode()) % 2 else _add_or_subtract
