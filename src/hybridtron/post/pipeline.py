@@ -131,7 +131,7 @@ class PipelineSection:
 class EvalConfig:
     """`[eval]`: what every stage's model is measured on (held-out test splits, greedy decoding)."""
 
-    math_tasks: int = 60
+    math_tasks: int = 200  # one task is 0.5 points (60 tasks left every math comparison within noise)
     code_tasks: int = 18  # every test-split code task of levels 1-2 (the code environment has 18 of them, 268 train)
     max_tokens: int = 80  # math completion cap (a column-style trace is up to 62 tokens)
     code_max_tokens: int = 96
@@ -271,11 +271,13 @@ PRESET_STAGES: dict[str, dict[str, StageConfig]] = {
         "code_teacher": _stage(100, "sft.train_on_thinking=true", "sft.env_examples=250", "train.val_every=50",
                                "train.checkpoint_every=50"),
         "code_teacher_rl": _stage(10, *_GRPO, enabled=False),
-        "mopd_warmup": _stage(40, "sft.train_on_thinking=true", "train.lr=0.001", "train.val_every=20",
+        # the warmup as long as the code teacher's own SFT (shorter ones left the student with no passing code:
+        # docs/LOG.md, session 5); the MOPD iterations at GRPO's small LR (5e-4 undid the warmup's math)
+        "mopd_warmup": _stage(100, "sft.train_on_thinking=true", "train.lr=0.002", "train.val_every=20",
                               "train.checkpoint_every=20", examples=200),
-        "mopd_1": _stage(20, *_MOPD, "train.lr=0.0005"),
-        "mopd_2": _stage(20, *_MOPD, "train.lr=0.0005"),
-        "mopd_no_warmup": _stage(20, *_MOPD, "train.lr=0.0005"),
+        "mopd_1": _stage(20, *_MOPD),
+        "mopd_2": _stage(20, *_MOPD),
+        "mopd_no_warmup": _stage(20, *_MOPD),
         "mtp_boost": _stage(30, "boost.num_samples=64", "boost.sample_length=48", "boost.draft_length=3"),
     },
     # CI: every stage for a step or two on a 512-token vocabulary and a few stdlib families
