@@ -108,3 +108,27 @@ def test_mtp_boost_command(tmp_path, small_config, capsys):
     assert not torch.equal(boosted.mtp.layers[0].eh_proj.weight, original.mtp.layers[0].eh_proj.weight)
     assert main(["mtp-boost", "--model", str(tmp_path / "ckpt"), "--out", str(tmp_path / "ckpt")]) == 2
     assert "is the input checkpoint" in capsys.readouterr().err
+
+
+def test_mtp_boost_on_chat_prompts(tmp_path, small_config, capsys):
+    """`--prompts FILE.jsonl`: conversations of different lengths, rendered with the chat template and the
+    generation prompt (a closing assistant reply dropped), sampled from and measured on."""
+    from hybridtron.data.chat import save_tokenizer_files
+
+    config = small_config(vocab_size=640)
+    save_pretrained(HybridLM(config), tmp_path / "ckpt")
+    save_tokenizer_files(Tokenizer.train(["What is 2 + 3? The answer is 5.\n" * 50], 600), tmp_path / "ckpt",
+                         model_max_length=config.max_position_embeddings)
+    lines = [{"messages": [{"role": "user", "content": "What is 2 + 3?"}]},
+             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 + 30?"},
+                           {"role": "assistant", "content": "42"}]}]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "boosted"
+    assert main(["mtp-boost", "--model", str(tmp_path / "ckpt"), "--out", str(out), "--steps", "2",
+                 "--num-samples", "4", "--sample-length", "6", "--depths", "2", "--draft-length", "2",
+                 "--prompts", str(tmp_path / "prompts.jsonl")]) == 0
+    assert "mean acceptance length" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text('{"messages": "hi"}\n')
+    assert main(["mtp-boost", "--model", str(tmp_path / "ckpt"), "--out", str(out), "--prompts",
+                 str(tmp_path / "bad.jsonl")]) == 2
+    assert "bad.jsonl line 1" in capsys.readouterr().err

@@ -52,8 +52,9 @@ _ENCODE_CHUNK = 64  # conversations per encode_batch call
 
 
 # ---------------------------------------------------------------------------------------------- reading
-def _conversation(record, where: str) -> dict:
-    """`{"messages": [...], "domain": str | None}` from a record, validated; errors are prefixed by `where`."""
+def _conversation(record, where: str, require_reply: bool = True) -> dict:
+    """`{"messages": [...], "domain": str | None}` from a record, validated; errors are prefixed by `where`.
+    `require_reply`: an assistant message must be there (SFT trains on them; a prompt set does not)."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected an object with 'messages', got {type(record).__name__}")
     if "messages" not in record:
@@ -62,7 +63,7 @@ def _conversation(record, where: str) -> dict:
         checked = validate_messages(record["messages"])
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
-    if not any(message.role == "assistant" for message in checked):
+    if require_reply and not any(message.role == "assistant" for message in checked):
         raise ValueError(f"{where}: messages: no assistant message, so nothing to train on")
     domain = record.get("domain")
     if domain is not None and not isinstance(domain, str):
@@ -70,13 +71,14 @@ def _conversation(record, where: str) -> dict:
     return {"messages": record["messages"], "domain": domain}
 
 
-def read_conversations(path: str | os.PathLike) -> list[dict]:
-    """The conversations of a JSONL file, in line order (blank lines skipped)."""
+def read_conversations(path: str | os.PathLike, require_reply: bool = True) -> list[dict]:
+    """The conversations of a JSONL file, in line order (blank lines skipped); `require_reply`: see _conversation."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"SFT data {str(path)!r}: no such file; expected a .jsonl file of "
                          f'{{"messages": [...]}} lines')
-    conversations = [_conversation(record, f"{path} line {line}") for line, record in _jsonl_records(path)]
+    conversations = [_conversation(record, f"{path} line {line}", require_reply)
+                     for line, record in _jsonl_records(path)]
     if not conversations:
         raise ValueError(f"SFT data {str(path)!r}: no conversations (the file is empty)")
     return conversations

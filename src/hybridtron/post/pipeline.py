@@ -14,7 +14,8 @@ options the command line would give) and holding that command's HF export in `hf
     mopd_1          hybridtron mopd --student mopd_warmup --teachers math=math_teacher,code=code_teacher --general rlvr
     mopd_2          hybridtron mopd --student mopd_1 (same panel)         the second iteration
     mopd_no_warmup  hybridtron mopd --student rlvr (same panel, mopd_1's steps)    the ablation without warmup
-    mtp_boost       hybridtron mtp-boost --model mopd_2                   the drafter trained against the final model
+    mtp_boost       hybridtron mtp-boost --model mopd_2 --prompts (chat prompts of training tasks)   the drafter trained
+                    against the final model, on the kind of text its acceptance is measured on
 
 The warmup is its own stage (an SFT run on the teachers' training data: the math and code environments' worked
 solutions, `[mopd_warmup] examples` of each), so that the ablation compares two MOPD runs that differ in their
@@ -62,6 +63,7 @@ STAGE_FILE = "stage.json"  # written when a stage's command returned and its mod
 EVAL_FILE = "eval.json"
 RESULT_FILE = "pipeline.json"
 HTML_FILE = "pipeline.html"
+BOOST_PROMPTS = "boost_prompts.jsonl"  # mtp_boost's chat prompts (training-split tasks), written before it runs
 CODE_DOMAIN, MATH_DOMAIN = "code", "math"
 
 
@@ -137,7 +139,7 @@ class EvalConfig:
     code_max_tokens: int = 96
     batch_size: int = 50
     val_conversations: int = 36  # held-out math + code tasks (half each) whose reference turns the loss is on
-    acceptance_prompts: int = 8  # evaluation prompts (half math, half code) decoded speculatively
+    acceptance_prompts: int = 32  # evaluation prompts (half math, half code) decoded speculatively (8 were noise)
     acceptance_tokens: int = 48
     draft_length: int = 3
     seed: int = 0
@@ -528,7 +530,8 @@ def stage_argv(name: str, config: PipelineConfig, out: Path) -> list[str]:
         for text in stage.settings:
             key, _, value = text.partition("=")
             flags += [f"--{key.partition('.')[2].replace('_', '-')}", value]
-        return ["--model", hf("mopd_2"), "--out", hf("mtp_boost"), "--steps", str(stage.steps), *flags]
+        return ["--model", hf("mopd_2"), "--out", hf("mtp_boost"), "--steps", str(stage.steps),
+                "--prompts", str(out / name / BOOST_PROMPTS), *flags]
     raise AssertionError(name)
 
 
@@ -614,6 +617,21 @@ def write_warmup_data(config: PipelineConfig, path: Path) -> int:
     return len(examples)
 
 
+def write_boost_prompts(config: PipelineConfig, path: Path) -> None:
+    """MTP boosting's prompts: training-split math and code tasks as chat conversations (half each), so that the
+    drafter learns on the kind of text the pipeline measures its acceptance on, not on text sampled from bos."""
+    from hybridtron.post.envs import get_env, write_jsonl
+
+    conversations = []
+    count = config.eval.acceptance_prompts * 2
+    for domain in (MATH_DOMAIN, CODE_DOMAIN):
+        with get_env(domain, levels=tuple(config.pipeline.levels)) as env:
+            conversations += [{"messages": env.prompt_messages(task)}
+                              for task in env.tasks("train", _share(count, domain), seed=2)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(path, conversations)
+
+
 def run_stage(name: str, config: PipelineConfig, out: Path, log) -> float:
     """Run (or continue) the command of stage `name`; returns its wall time in seconds."""
     stage = STAGE_BY_NAME[name]
@@ -625,6 +643,8 @@ def run_stage(name: str, config: PipelineConfig, out: Path, log) -> float:
         argv.append("--resume")
     if name == "mopd_warmup" and not (run_dir / "teachers_data.jsonl").is_file():
         write_warmup_data(config, run_dir / "teachers_data.jsonl")
+    if name == "mtp_boost" and not (run_dir / BOOST_PROMPTS).is_file():
+        write_boost_prompts(config, run_dir / BOOST_PROMPTS)
     module, args = _parse_command_args(stage, argv)
     log(f"[{name}] {'resuming' if resume else 'running'}: hybridtron {stage.command} {' '.join(argv)}")
     started = time.perf_counter()

@@ -93,28 +93,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"draft length of the acceptance measurement before and after (default: "
                              f"{defaults.draft_length})")
     parser.add_argument("--prompts", default=None,
-                        help="text file, one prompt per line, to sample from (default: the bos token alone)")
+                        help="prompts to sample from and measure acceptance on: a text file, one prompt per line, or "
+                             "a .jsonl file of conversations ({\"messages\": [...]} a line, rendered with the "
+                             "model's chat template and the generation prompt) (default: the bos token alone)")
     parser.add_argument("--seed", type=int, default=defaults.seed,
                         help=f"seed of the sampling and the batch order (default: {defaults.seed})")
 
 
-def _prompts(args, model_dir: Path, bos_id: int) -> tuple[list[list[int]], list[list[int]]]:
-    """(sampling prompts, acceptance prompts). From a prompt file: each line's tokens, cut to the shortest line so
-    that the pool is one tensor; evaluation uses the same lines. Without a file: bos alone to sample from, and the
-    first 8 tokens of 8 held-out samples (another seed) to measure acceptance on."""
+def _prompts(args, model_dir: Path, bos_id: int) -> tuple[list[list[int]], list[list[int]] | None]:
+    """(sampling prompts, acceptance prompts). From a prompt file: each line's tokens (a .jsonl line's conversation in
+    the chat format, ending with the assistant's generation prompt), the same prompts for both. Without a file: bos
+    alone to sample from, and None (the caller samples held-out prompts)."""
     if args.prompts is None:
         return [[bos_id]], None
-    tokenizer_file = model_dir / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ValueError(f"--prompts needs {tokenizer_file} to encode the prompts, and it is missing")
-    from hybridtron.data.tokenizer import Tokenizer
-    tokenizer = Tokenizer.load(tokenizer_file)
-    lines = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    if not lines:
-        raise ValueError(f"--prompts {args.prompts}: no non-empty lines")
-    encoded = [[bos_id] + tokenizer.encode(line) for line in lines]
-    shortest = min(len(p) for p in encoded)
-    return [p[:shortest] for p in encoded], encoded
+    path = Path(args.prompts)
+    if path.suffix == ".jsonl":
+        from hybridtron.data.chat import load_chat_tokenizer, tokenize_chat
+        from hybridtron.data.sft import read_conversations
+
+        tokenizer = load_chat_tokenizer(model_dir, require_template=True)
+        encoded = []
+        for conversation in read_conversations(path, require_reply=False):  # a reply that ends one is dropped: the model writes its own
+            messages = conversation["messages"]
+            messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+            encoded.append(tokenize_chat(tokenizer, messages, add_generation_prompt=True).ids.tolist())
+    else:
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"--prompts needs {tokenizer_file} to encode the prompts, and it is missing")
+        from hybridtron.data.tokenizer import Tokenizer
+        tokenizer = Tokenizer.load(tokenizer_file)
+        encoded = [[bos_id] + tokenizer.encode(line) for line in path.read_text().splitlines() if line.strip()]
+    if not encoded:
+        raise ValueError(f"--prompts {args.prompts}: no prompts in it")
+    return encoded, encoded
 
 
 def run(args) -> int:

@@ -134,14 +134,14 @@ def boost_loss(model, input_ids_BT: torch.Tensor, hidden0_BTH: torch.Tensor, tar
 # ------------------------------------------------------------------------------------------ data and eval
 def on_policy_samples(model, prompts: Sequence[Sequence[int]], count: int, length: int, temperature: float,
                       seed: int) -> torch.Tensor:
-    """`count` sequences [count, prompt + length] sampled from the model (prompts cycled, all of one length)."""
-    lengths = {len(p) for p in prompts}
-    if len(lengths) != 1:
-        raise ValueError(f"on-policy prompts must all have the same length, got lengths {sorted(lengths)}")
+    """`count` sequences sampled from the model, `length` tokens after each prompt (prompts cycled), as one tensor:
+    with prompts of different lengths every row keeps its last (shortest prompt + length) tokens, so the pool holds
+    all of every completion and as much of each prompt as the shortest has."""
     chosen = [list(prompts[i % len(prompts)]) for i in range(count)]
     params = SamplingParams(temperature=temperature, max_tokens=length, seed=seed)
-    generated = generate_tokens(model, chosen, params)
-    return torch.tensor([p + g for p, g in zip(chosen, generated)], device=model.lm_head.weight.device)
+    rows = [p + g for p, g in zip(chosen, generate_tokens(model, chosen, params))]
+    width = min(len(row) for row in rows)
+    return torch.tensor([row[len(row) - width:] for row in rows], device=model.lm_head.weight.device)
 
 
 def acceptance_length(model, prompts: Sequence[Sequence[int]], draft_length: int, max_tokens: int) -> float:
