@@ -563,9 +563,8 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     role = RoleSpec(RolloutRole, dict(model_dir=str(config.base_model), model_config=model_config, env=config.env,
                                       env_options=grpo.env_options(),
                                       config=grpo, threads=grpo.rollout_threads if backend != "inline" else 0))
-    rollouts = RolloutBatches(rollout_pipeline_factory([role], backend, staleness), model, staleness=staleness,
-                              grad_accum=train.grad_accum, total_steps=lambda: train.steps,
-                              pad_id=model_config.pad_token_id or 0, parallel=parallel)
+    rollouts = RolloutBatches(rollout_pipeline_factory([role], backend, staleness), staleness=staleness,
+                              grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0, parallel=parallel)
     evaluators, eval_env = [], None
     if grpo.eval_tasks:
         eval_env = load_env(config.env, **grpo.env_options())
@@ -576,10 +575,6 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
                               parallel=parallel)
     trainer = assemble_trainer(model, objective, rollouts, evaluators, train=train, monitor_config=config.monitor,
                                out=out, checkpoints=checkpoints, quiet=quiet, stream=stream, parallel=parallel)
-    # assemble_trainer reads `train.grad_accum` rows of a loader; a step's rollouts are already its micro-batches
-    trainer.batches = rollouts
-    rollouts.model = trainer.model
-    rollouts.total_steps = lambda: trainer.schedule.total_steps
     return trainer, RunParts(tokenizer, rollouts, eval_env)
 
 

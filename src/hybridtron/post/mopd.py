@@ -606,18 +606,14 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
     staleness = mopd.staleness if mopd.async_rollouts else 0
     backend = mopd.rollout_backend if mopd.async_rollouts else "inline"
     rollouts = RolloutBatches(rollout_pipeline_factory(role_specs(config, student_dir, backend), backend, staleness),
-                              model, staleness=staleness, grad_accum=train.grad_accum, total_steps=lambda: train.steps,
-                              pad_id=model_config.pad_token_id or 0, parallel=parallel)
+                              staleness=staleness, grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0,
+                              parallel=parallel)
     mixture = mopd.mixture()
     evaluators = [DomainAccuracy(mixture, tokenizer, mopd)] if mopd.eval_tasks else []
     objective = MOPDObjective(mopd, mixture.domains, model_config.mtp_num_depths if model_config.has_mtp else 0,
                               parallel=parallel)
     trainer = assemble_trainer(model, objective, rollouts, evaluators, train=train, monitor_config=config.monitor,
                                out=out, checkpoints=checkpoints, quiet=quiet, stream=stream, parallel=parallel)
-    # assemble_trainer reads `train.grad_accum` rows of a loader; a step's rollouts are already its micro-batches
-    trainer.batches = rollouts
-    rollouts.model = trainer.model
-    rollouts.total_steps = lambda: trainer.schedule.total_steps
     return trainer, RunParts(tokenizer, rollouts, mixture)
 
 

@@ -357,15 +357,10 @@ def apply_changes(config: PipelineConfig, changes: dict[str, dict[str, Any]], wh
 def read_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     """A pipeline TOML file as section -> field -> value, the `[STAGE.SECTION]` tables flattened to
     `SECTION.FIELD` keys of their stage."""
-    from hybridtron.train.config import tomllib
+    from hybridtron.train.config import read_toml
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: config file not found")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: invalid TOML ({exc})") from None
+    raw = read_toml(path)
     changes: dict[str, dict[str, Any]] = {}
     for name, values in raw.items():
         if not isinstance(values, dict):

@@ -182,7 +182,8 @@ class RolloutRole(Role):
     """Samples and grades one step's rollouts (see the module docstring). Built from plain values, so that it can
     be built in another process: `model_dir` (for the tokenizer and its chat template), `model_config` (the
     architecture; the weights arrive through `load_weights` before the first request), the environment (a
-    registered name or `module:Factory`, see `load_env`) and its options, and `config` (a `hybridtron.post.grpo.GRPOConfig`, or anything with its rollout fields)."""
+    registered name or `module:Factory`, see `load_env`) and its options, and `config` (a
+    `hybridtron.post.grpo.GRPOConfig`, or anything with its rollout fields)."""
 
     name = ROLLOUT_ROLE
 
@@ -481,8 +482,9 @@ class RolloutBatches:
     step's rollouts split into `grad_accum` micro-batches (fewer if the step has fewer rows).
 
     `pipeline`: builds a `RolePipeline` whose first role is the rollout role (more roles may follow it: scoring
-    roles that add `Rollout.scores`). `model`: the learner's policy, whose weights go to the rollout role before
-    each new request. `total_steps`: a callable giving the run's last step (no batch is requested past it).
+    roles that add `Rollout.scores`). `bind(trainer)` (assemble_trainer calls it) gives the learner: its model,
+    whose weights go to the rollout role before each new request, and its schedule's last step (no batch is
+    requested past it).
 
     `parallel` (a sharded learner under torchrun, hybridtron.dist): the pipeline runs on global rank 0 alone.
     Every rank joins the gathering of the full weights (`dist.step.full_state_dict`) that rank 0 hands to the
@@ -499,19 +501,22 @@ class RolloutBatches:
     restoring an older checkpoint) the run reads on with those prefetched batches, sampled by the abandoned
     policy; the IS correction weights them as it does any stale batch."""
 
-    def __init__(self, pipeline: Callable[[], RolePipeline], model, *, staleness: int, grad_accum: int,
-                 total_steps: Callable[[], int], pad_id: int = 0, parallel=None):
+    def __init__(self, pipeline: Callable[[], RolePipeline], *, staleness: int, grad_accum: int, pad_id: int = 0,
+                 parallel=None):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
-        self.make_pipeline, self.model, self.parallel = pipeline, model, parallel
+        self.make_pipeline, self.parallel, self.trainer = pipeline, parallel, None
         self.drives_pipeline = parallel is None or parallel.is_main
-        self.staleness, self.grad_accum, self.total_steps, self.pad_id = staleness, grad_accum, total_steps, pad_id
+        self.staleness, self.grad_accum, self.pad_id = staleness, grad_accum, pad_id
         self.pipeline: RolePipeline | None = None
         self.consumed = 0  # batches the learner has taken (= its step, unless a rollback rewound it)
         self.requested = 0  # the highest batch index requested from the pipeline
         self.prefetched: list[RolloutBatch] = []  # received, not yet consumed
         self.role_states: dict[str, dict] | None = None  # after the last batch received
         self.last_wait_s = 0.0
+
+    def bind(self, trainer) -> None:
+        self.trainer = trainer
 
     # ------------------------------------------------------------------------------------------ protocol
     def _start(self) -> None:
@@ -525,11 +530,11 @@ class RolloutBatches:
     def next_step(self) -> list[RolloutMicroBatch]:
         started = time.perf_counter()
         if self.parallel is None:
-            weights = self.model.state_dict()
+            weights = self.trainer.model.state_dict()
         else:
             from hybridtron.dist.step import full_state_dict
 
-            weights = full_state_dict(self.model, self.parallel)  # every rank gathers; rank 0 holds the result
+            weights = full_state_dict(self.trainer.model, self.parallel)  # every rank gathers; rank 0 holds it
         batch = self._next_batch(weights) if self.drives_pipeline else None
         if self.parallel is not None:
             batch = self.parallel.broadcast_object(batch)
@@ -548,7 +553,8 @@ class RolloutBatches:
         if self.pipeline is None:
             self._start()
         self.pipeline.send_weights(ROLLOUT_ROLE, self.consumed, weights)
-        last = min(self.consumed + 1 + self.staleness, max(self.total_steps(), self.consumed + 1))
+        total_steps = self.trainer.schedule.total_steps
+        last = min(self.consumed + 1 + self.staleness, max(total_steps, self.consumed + 1))
         while self.requested < last:
             self.requested += 1
             self.pipeline.submit(RolloutRequest(self.requested))
@@ -599,7 +605,8 @@ def learner_layout(dist_config, model_config, *, rows: int, seq_len: int, routin
     if layout.tp > 1 and routing_replay:
         raise ValueError(f"dist.tp={layout.tp}: routing replay is not supported under tensor parallelism; set "
                          f"{what.lower()}.routing_replay=false or dist.tp=1")
-    sizes = dict(batch_size=-(-rows // layout.dp) * layout.dp, grad_accum=1, seq_len=-(-seq_len // layout.tp) * layout.tp)
+    sizes = dict(batch_size=-(-rows // layout.dp) * layout.dp, grad_accum=1,
+                 seq_len=-(-seq_len // layout.tp) * layout.tp)
     check_run_layout(dist_config, model_config, world, **sizes)
     return sizes
 

@@ -198,6 +198,17 @@ def _plain(obj) -> dict:
             for f in dataclasses.fields(obj)}
 
 
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A configuration file's TOML as a dict; FileNotFoundError or ValueError (invalid TOML) naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: config file not found")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: invalid TOML ({exc})") from None
+
+
 def read_run_config(path: str | Path, required: tuple[str, ...], what: str) -> dict:
     """A run's run_config.json as a dict holding every key of `required`, or a ValueError naming the file and what
     it lacks (`what`: the kind of run, e.g. "an SFT run")."""
@@ -279,13 +290,7 @@ def build_run_config(base_preset: str = "tiny", toml_path: str | None = None, ov
         base, toml_path = RunConfig.load(toml_path), None
     if toml_path is not None:
         path = Path(toml_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: config file not found")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{path}: invalid TOML ({exc})") from None
-        for section, values in raw.items():
+        for section, values in read_toml(path).items():
             if section not in sections or not isinstance(values, dict):
                 raise ValueError(f"{path}: unknown section [{section}]; expected [model], [data], [train], [monitor], "
                                  f"[dist]")

@@ -74,15 +74,9 @@ def saved_config_file(args) -> Path:
 def read_toml_sections(path: str | Path, sections: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """The sections of a TOML config file; a missing file, invalid TOML or an unknown section is a ValueError
     (FileNotFoundError for the first) that names the file."""
-    from hybridtron.train.config import tomllib
+    from hybridtron.train.config import read_toml
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: config file not found")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: invalid TOML ({exc})") from None
+    raw = read_toml(path)
     for section, values in raw.items():
         if section not in sections or not isinstance(values, dict):
             raise ValueError(f"{path}: unknown section [{section}]; expected "
@@ -179,7 +173,9 @@ def assemble_trainer(model, objective, loader, evaluators, *, train, monitor_con
     parallelized (`train.compile`, `train.recompute`, and under torchrun the `[dist]` layout of `parallel`), the
     stability monitor (and its fault injector, which may corrupt the loader's batches), `grad_accum`
     micro-batches a step from `loader` (this rank's rows of them), metrics.jsonl and, unless `quiet`, the progress
-    bar (both on global rank 0 only)."""
+    bar (both on global rank 0 only). `loader` may instead be a batch source that gives each step's micro-batches
+    itself, this rank's rows included (RL rollouts: a `next_step` method); it is used as it is, and its `bind(trainer)`
+    is called with the trainer, whose model may be the parallelized one."""
     stream = sys.stderr if stream is None else stream  # the stderr of the moment, not of import time
     import torch
 
@@ -200,20 +196,26 @@ def assemble_trainer(model, objective, loader, evaluators, *, train, monitor_con
     monitor, faults = build_monitor(monitor_config, out, model.config, stream)
     if not main and monitor.events is not None:  # every rank judges the same steps; rank 0 alone records them
         monitor.events.path, monitor.events.stream = Path(os.devnull), open(os.devnull, "w")
-    batches = LoaderBatches(loader, train.grad_accum)
-    if faults is not None:
-        batches = faults.wrap_batches(batches, model.config.vocab_size)
-    if parallel is not None:
-        from hybridtron.dist.step import DataParallelBatches
+    if hasattr(loader, "next_step"):  # a batch source already
+        batches = loader
+    else:
+        batches = LoaderBatches(loader, train.grad_accum)
+        if faults is not None:
+            batches = faults.wrap_batches(batches, model.config.vocab_size)
+        if parallel is not None:
+            from hybridtron.dist.step import DataParallelBatches
 
-        batches = DataParallelBatches(batches, parallel)
+            batches = DataParallelBatches(batches, parallel)
     hooks = [H.MetricsLogger(out, every=train.log_every)] if main else []
     if not quiet and main:
         hooks.append(H.ProgressBar(stream))
         if monitor.events is not None:
             monitor.events.newline_first = hooks[-1].interactive
-    return Trainer(model, objective, batches, train, checkpoints, hooks=hooks, evaluators=evaluators,
-                   monitor=monitor, faults=faults, parallel=parallel)
+    trainer = Trainer(model, objective, batches, train, checkpoints, hooks=hooks, evaluators=evaluators,
+                      monitor=monitor, faults=faults, parallel=parallel)
+    if batches is loader and hasattr(loader, "bind"):
+        loader.bind(trainer)
+    return trainer
 
 
 # ---------------------------------------------------------------------------------------------- the run
