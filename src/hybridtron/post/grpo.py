@@ -250,7 +250,7 @@ def resolve_config(args) -> GRPORunConfig:
     registered, and a fault that corrupts batches cannot be injected (GRPO's batches are rollouts, not token
     rows)."""
     from hybridtron.post.envs import env_names
-    from hybridtron.train.run import merge_sections, saved_config_file, step_overrides
+    from hybridtron.train.run import saved_config_file
 
     toml_path, base = args.config, None
     if args.resume:
@@ -278,12 +278,22 @@ def resolve_config(args) -> GRPORunConfig:
     if args.resume and model != base.model:
         raise ValueError(f"--resume: {base_model}/config.json changed since the run started; the run trains the "
                          f"model it began with (see {args.out}/run_config.json)")
-    sections = merge_sections(base.sections() if base is not None else default_sections(), toml_path,
-                              step_overrides(args), fixed={"model": MODEL_FIXED})
-    if "corrupt_batch" in sections["monitor"].inject_fault:
-        raise ValueError("monitor.inject_fault: corrupt_batch garbles token rows, and GRPO's batches are rollouts; "
-                         "inject lr_spike, nan_grad or router_bias instead")
+    sections = rollout_run_sections(base.sections() if base is not None else default_sections(), toml_path, args,
+                                    MODEL_FIXED, "GRPO")
     return GRPORunConfig(base_model=base_model, env=env, model=model, **sections)
+
+
+def rollout_run_sections(base: dict, toml_path, args, model_fixed: str, what: str) -> dict:
+    """The sections of an RL command (GRPO, MOPD): `base` <- the TOML file <- --set <- --steps, [model] fixed
+    (`model_fixed` says why); a fault that corrupts batches cannot be injected (the batches are rollouts, not token
+    rows)."""
+    from hybridtron.train.run import merge_sections, step_overrides
+
+    sections = merge_sections(base, toml_path, step_overrides(args), fixed={"model": model_fixed})
+    if "corrupt_batch" in sections["monitor"].inject_fault:
+        raise ValueError(f"monitor.inject_fault: corrupt_batch garbles token rows, and {what}'s batches are "
+                         "rollouts; inject lr_spike, nan_grad or router_bias instead")
+    return sections
 
 
 # ---------------------------------------------------------------------------------------------- the loss

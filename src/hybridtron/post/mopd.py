@@ -296,8 +296,9 @@ def _same_dir(a: str | None, b: str | None) -> bool:
 def resolve_config(args) -> MOPDRunConfig:
     """defaults (or, with --resume, the run's saved config; or a run's run_config.json as --config) <- the TOML
     file <- --set overrides <- --steps. [model] is the student's and cannot be set."""
+    from hybridtron.post.grpo import rollout_run_sections
     from hybridtron.post.teachers import TeacherPanel, check_checkpoint
-    from hybridtron.train.run import merge_sections, saved_config_file, step_overrides
+    from hybridtron.train.run import saved_config_file
 
     toml_path, base = args.config, None
     if args.resume:
@@ -327,11 +328,8 @@ def resolve_config(args) -> MOPDRunConfig:
     if args.resume and model != base.model:
         raise ValueError(f"--resume: {student}/config.json changed since the run started; the run trains the "
                          f"student it began with (see {args.out}/run_config.json)")
-    sections = merge_sections(base.sections() if base is not None else default_sections(), toml_path,
-                              step_overrides(args), fixed={"model": MODEL_FIXED})
-    if "corrupt_batch" in sections["monitor"].inject_fault:
-        raise ValueError("monitor.inject_fault: corrupt_batch garbles token rows, and MOPD's batches are rollouts; "
-                         "inject lr_spike, nan_grad or router_bias instead")
+    sections = rollout_run_sections(base.sections() if base is not None else default_sections(), toml_path, args,
+                                    MODEL_FIXED, "MOPD")
     return MOPDRunConfig(student=student, teachers=dict(panel.teachers), general=panel.general, model=model,
                          **sections)
 
