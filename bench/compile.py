@@ -1,13 +1,15 @@
 """`train.compile` against eager: the fp32 training step of bench22m, side by side, with tokens/s and MFU.
 
-    python bench/compile.py [--threads 1] [--clock cpu] [--repeats 5] [--batch 4] [--seq 512]
+    python bench/compile.py [--threads 1] [--clock cpu] [--repeats 5] [--batch 4] [--seq 512] [--logits]
 
 Two copies of the same model (same weights, same batch): one eager with foreach AdamW (what `hybridtron pretrain`
 runs by default), one as `train.compile=true` runs it (every block, the MTP block included, compiled in place by
-`hybridtron.dist.parallelize`; the cross entropy compiled by the objective; torch's fused AdamW). A step is the
-objective's forward + backward + the optimizer step. The compiled copy
-is warmed up first (its compile time is reported apart); then the repetitions alternate eager, compiled, so both
-see the same machine load, and the table reports medians and their ratio. MFU is against the fp32 matmul peak
+`hybridtron.dist.parallelize`; the loss's per-block softmax compiled by the objective; torch's fused AdamW). A
+step is the objective's forward + backward + the optimizer step; both apply lm_head inside the loss
+(`ops/linear_cross_entropy.py`), and `--logits` adds both steps with the loss on the model's logits instead (the
+compiled one on the same compiled modules). The compiled copy is warmed up first (its compile time is reported
+apart); then the repetitions alternate the steps, so all see the same machine load, and the table reports
+medians and their ratio to the eager step. MFU is against the fp32 matmul peak
 measured in the same run on the same clock (`bench/pretrain.py`'s model FLOPs per token).
 """
 
@@ -39,9 +41,10 @@ def matmul_peak(size: int = 2048, repeats: int = 8) -> float:
     return 2 * size ** 3 / min(timed(lambda: a @ b) for _ in range(repeats))
 
 
-def make_step(model, compiled: bool, ids, labels):
+def make_step(model, compiled: bool, ids, labels, fused_head: bool = True):
     optimizer = build_optimizer(model, TrainConfig(lr=1e-4, compile=compiled))  # compiled: fused AdamW
-    objective = PretrainObjective(compile_loss=compiled)  # compiled: the cross entropy compiled, outside the model
+    # compiled: the loss's per-block softmax compiled; fused_head=False: the loss reads the model's logits
+    objective = PretrainObjective(compile_loss=compiled, fused_head=fused_head)
 
     def step():
         objective.begin_step([(ids, labels)])
@@ -60,6 +63,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--logits", action="store_true",
+                        help="also time both steps with the loss on the model's logits (no fused lm_head + loss)")
     clock.add_clock_argument(parser)
     args = parser.parse_args()
     clock.select(args.clock)
@@ -70,7 +75,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(3, eager.config.vocab_size, (args.batch, args.seq), generator=generator)
     labels = torch.roll(ids, -1, dims=1)
-    eager_step, compiled_step = make_step(eager, False, ids, labels), make_step(compiled, True, ids, labels)
+    steps = {"eager": make_step(eager, False, ids, labels), "compiled": make_step(compiled, True, ids, labels)}
+    if args.logits:
+        steps["eager, logits"] = make_step(copy.deepcopy(eager), False, ids, labels, fused_head=False)
+        steps["compiled, logits"] = make_step(compiled, True, ids, labels, fused_head=False)  # its own optimizer
+    eager_step, compiled_step = steps["eager"], steps["compiled"]
 
     started = time.perf_counter()
     first = compiled_step()
@@ -78,10 +87,13 @@ def main() -> None:
     eager_loss = eager_step()
     assert torch.allclose(first, eager_loss, rtol=1e-4), (float(first), float(eager_loss))
     compiled_step()  # a second call: anything recompiled for the second step's state is done too
-    times = {"eager": [], "compiled": []}
+    for name in list(steps)[2:]:  # the logits steps' warm-up (their compiled cross entropy compiles here)
+        steps[name]()
+        steps[name]()
+    times = {name: [] for name in steps}
     for _ in range(args.repeats):
-        times["eager"].append(timed(eager_step))
-        times["compiled"].append(timed(compiled_step))
+        for name, step in steps.items():
+            times[name].append(timed(step))
     peak = matmul_peak()
     flops = model_flops_per_token(eager, args.seq)
     tokens = args.batch * args.seq

@@ -9,6 +9,8 @@
   `grouped_mm_ref` (a loop over experts), including experts that receive no rows, all rows on one expert, and no
   rows at all; and expert matrices stored transposed, as decoding lays them out.
 - `cross_entropy` (blockwise, no log-probability tensor) vs `F.cross_entropy`, loss and gradient.
+- `linear_cross_entropy` (lm_head and the loss fused by blocks of rows, eager and compiled) vs lm_head +
+  `F.cross_entropy`: loss and the gradients of hidden and weight.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 
 from hybridtron.ops import cross_entropy as cross_entropy_module
 from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy, cross_entropy_ref
+from hybridtron.ops import linear_cross_entropy as linear_cross_entropy_module
 from hybridtron.ops.grouped_mm import grouped_mm, grouped_mm_padded, grouped_mm_ref, native_applies
+from hybridtron.ops.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_ref
 from hybridtron.ops.ssd import ssd_chunked, ssd_ref, ssd_step, ssd_step_, ssd_steps
 
 # float64 agreement is limited by rounding alone; float32 by accumulating a few hundred terms of size ~1.
@@ -231,3 +235,36 @@ def test_cross_entropy_edge_cases():
     wide = torch.randn(6, 20)[:, ::2]  # a non-contiguous view
     targets = torch.randint(0, 10, (6,))
     torch.testing.assert_close(cross_entropy(wide, targets), cross_entropy_ref(wide, targets))
+
+
+@pytest.mark.parametrize("compiled, dtype", [(False, torch.float32), (False, torch.float64), (True, torch.float32)])
+@pytest.mark.parametrize("rows, vocab, block_elements", [(37, 50, 1 << 23), (300, 1000, 64 * 1000 + 5), (1, 7, 3)])
+def test_linear_cross_entropy_matches_torch(monkeypatch, compiled, dtype, rows, vocab, block_elements):
+    """Loss and both gradients of the fused lm_head + cross entropy vs lm_head + F.cross_entropy, with ignored
+    targets, blocks that do not divide the rows, and an incoming gradient that is not 1."""
+    monkeypatch.setattr(linear_cross_entropy_module, "BLOCK_ELEMENTS", block_elements)
+    hidden, weight = torch.randn(rows, 16, dtype=dtype), torch.randn(vocab, 16, dtype=dtype) / 2
+    targets = torch.randint(0, vocab, (rows,))
+    targets[torch.rand(rows) < 0.2] = IGNORE_INDEX
+    targets[0] = 3
+    results = []
+    for loss_fn in (lambda h, w: linear_cross_entropy(h, w, targets, compiled=compiled),
+                    lambda h, w: linear_cross_entropy_ref(h, w, targets)):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss = loss_fn(h, w)
+        results.append((loss, *torch.autograd.grad(2.5 * loss, (h, w))))
+    (loss, grad_h, grad_w), (loss_ref, grad_h_ref, grad_w_ref) = results
+    assert loss.dtype == torch.float32 and grad_h.dtype == grad_w.dtype == dtype
+    tolerance = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, loss_ref.float(), **tolerance)
+    torch.testing.assert_close(grad_h, grad_h_ref, **tolerance)
+    torch.testing.assert_close(grad_w, grad_w_ref, **tolerance)
+    assert (grad_h[targets == IGNORE_INDEX] == 0).all()
+
+
+def test_linear_cross_entropy_edge_cases():
+    hidden, weight = torch.randn(4, 8), torch.randn(9, 8)
+    all_ignored = torch.full((4,), IGNORE_INDEX)
+    assert torch.isnan(linear_cross_entropy(hidden, weight, all_ignored))
+    with pytest.raises(ValueError, match=r"hidden \(4, 8\), weight \(9, 7\) and targets \(4,\) do not match"):
+        linear_cross_entropy(hidden, torch.randn(9, 7), torch.zeros(4, dtype=torch.long))

@@ -28,7 +28,7 @@ from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy as ops_cros
 
 @dataclass
 class LMOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None under forward(logits=False)
     loss: torch.Tensor | None = None
     lm_loss: torch.Tensor | None = None
     mtp_losses: list[torch.Tensor] = field(default_factory=list)
@@ -36,6 +36,7 @@ class LMOutput:
     expert_counts: torch.Tensor | None = None  # [backbone MoE layers, experts]
     mtp_expert_counts: torch.Tensor | None = None  # [MoE layers of the MTP block, experts], summed over the depths
     hidden: torch.Tensor | None = None
+    mtp_hidden: list[torch.Tensor] = field(default_factory=list)  # each MTP depth's output, what lm_head reads
 
 
 def _stacked_counts(layers: list[MoE]) -> torch.Tensor | None:
@@ -116,13 +117,16 @@ class HybridLM(nn.Module):
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
                 mtp: bool = True, expert_ids: dict[str, torch.Tensor] | None = None,
-                mixer_fn=run_mixer) -> LMOutput:
+                mixer_fn=run_mixer, logits: bool = True) -> LMOutput:
         """`cache`: continue from a `model.state.LayerStates` (or its serving subclass `infer.cache.HybridCache`)
         and advance it (no MTP logits, no expert counts). `expert_ids`: routing replay for the backbone's MoE layers,
         {router name (`routers()`): chosen experts [B, T, k]}; a layer not named routes itself (the MTP block always
         does). `mixer_fn`: how each block's mixer runs (`block.run_mixer`, the reference; decoders pass their fast
-        paths, `hybridtron.infer.fastpath`)."""
+        paths, `hybridtron.infer.fastpath`). `logits=False`: stop before lm_head (`logits` None, `mtp_logits` empty):
+        `hidden` and `mtp_hidden` are what it would read, for a loss that applies it itself (no `labels` then)."""
         self._check_ids(input_ids)
+        if labels is not None and not logits:
+            raise ValueError("HybridLM.forward: labels need the logits (logits=False leaves the loss to the caller)")
         embeddings = self.backbone.embeddings(input_ids)
         hidden = embeddings
         layer_states = cache.layers if cache is not None else [None] * len(self.backbone.layers)
@@ -133,8 +137,8 @@ class HybridLM(nn.Module):
         if cache is not None:
             cache.lengths += input_ids.shape[1]
         hidden = self.backbone.norm_f(hidden)
-        logits = self.lm_head(hidden)
-        out = LMOutput(logits=logits, hidden=hidden, expert_counts=self.expert_counts() if cache is None else None)
+        out = LMOutput(logits=self.lm_head(hidden) if logits else None, hidden=hidden,
+                       expert_counts=self.expert_counts() if cache is None else None)
 
         if mtp and self.mtp is not None and cache is None:
             previous = hidden
@@ -142,7 +146,9 @@ class HybridLM(nn.Module):
                 # the embedding of token t+k; positions past the end see padding and are never scored
                 next_embedding = F.pad(embeddings[:, depth:], (0, 0, 0, depth))
                 previous = self.mtp(previous, next_embedding)
-                out.mtp_logits.append(self.lm_head(previous))
+                out.mtp_hidden.append(previous)
+                if logits:
+                    out.mtp_logits.append(self.lm_head(previous))
                 # the shared block routes once per depth: its routers balance over every token they saw
                 counts = _stacked_counts(self.mtp_moe_layers())
                 if counts is not None:
@@ -151,7 +157,7 @@ class HybridLM(nn.Module):
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
-            out.lm_loss = cross_entropy(logits, labels)
+            out.lm_loss = cross_entropy(out.logits, labels)
             out.mtp_losses = [cross_entropy(mtp_logits, mtp_targets(labels, depth))
                               for depth, mtp_logits in enumerate(out.mtp_logits, start=1)]
             out.loss = out.lm_loss

@@ -24,8 +24,11 @@ from typing import Any, Protocol
 
 import torch
 
+from torch.distributed.tensor import DTensor
+
 from hybridtron.model.lm import cross_entropy, mtp_targets
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
+from hybridtron.ops.linear_cross_entropy import linear_cross_entropy
 
 
 @dataclass
@@ -69,18 +72,31 @@ def target_counts(labels_BT: torch.Tensor, depths: int) -> torch.Tensor:
     return torch.stack([v.sum() for v in valid])
 
 
+def local_head_weight(model) -> torch.Tensor | None:
+    """lm_head's weight where a loss can apply it itself (`linear_cross_entropy`): a plain `nn.Linear` holding its
+    whole weight as a local tensor. None for an FSDP or TP shard (only the module's own forward gathers it) and for
+    a converted head (`MainGradLinear` accumulates its own weight gradient)."""
+    head = getattr(model, "lm_head", None)
+    if type(head) is not torch.nn.Linear or head.bias is not None or isinstance(head.weight, DTensor):
+        return None
+    return head.weight
+
+
 class PretrainObjective:
     """Next-token CE plus the MTP depths' CE (`HybridLM.forward`'s loss), each micro-batch weighted equally.
 
-    `data_sum` (data parallelism: sums a tensor over the data-parallel ranks in place) and `mtp_depths` (the
-    model's): each rank's CE means are weighted by its share of the micro-batch's valid targets, depth by depth, so
-    the shares sum to the single-process means of the whole micro-batch. `compile_loss` (`train.compile`): the
-    cross entropies run compiled, outside the model's forward (fused over the [tokens, vocab] logits)."""
+    Where lm_head's weight is local, the loss applies lm_head itself, a block of tokens at a time
+    (`linear_cross_entropy`: no [tokens, vocab] logits); otherwise it takes the model's logits. `data_sum` (data
+    parallelism: sums a tensor over the data-parallel ranks in place) and `mtp_depths` (the model's): each rank's
+    CE means are weighted by its share of the micro-batch's valid targets, depth by depth, so the shares sum to the
+    single-process means of the whole micro-batch. `compile_loss` (`train.compile`): the cross entropies run
+    compiled (the per-block softmax and its gradient fused into one loop). `fused_head=False`: always through the
+    logits (bench/compile.py compares the two)."""
 
     headline = ("lm_loss", "ce")
 
-    def __init__(self, data_sum=None, mtp_depths: int = 0, compile_loss: bool = False):
-        self.micro_batches = 1
+    def __init__(self, data_sum=None, mtp_depths: int = 0, compile_loss: bool = False, fused_head: bool = True):
+        self.micro_batches, self.fused_head = 1, fused_head
         self.data_sum, self.mtp_depths = data_sum, mtp_depths
         self.global_counts: list[torch.Tensor] = []
         self.compile_loss = compile_loss
@@ -94,34 +110,40 @@ class PretrainObjective:
 
     def __call__(self, model, micro_batch):
         input_ids, labels = micro_batch
-        if self.compile_loss:
+        weight = local_head_weight(model) if self.fused_head else None
+        if weight is None:
             out = model(input_ids)
-            loss = self.loss_from_outputs(model, (out.logits, *out.mtp_logits), labels)
-            return ObjectiveOutput(loss.loss, loss.metrics, input_ids.numel(), router_counts(model, out))
-        out = model(input_ids, labels)
-        if self.data_sum is None:
-            loss = out.loss
-            metrics = {"loss": out.loss.detach(), "lm_loss": out.lm_loss.detach(),
-                       **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(out.mtp_losses, start=1)}}
-        else:
-            loss, metrics = self._share(model, out.lm_loss, out.mtp_losses, labels)
+            return self.loss_from_outputs(model, (out.logits, *out.mtp_logits), labels, router_counts(model, out))
+        out = model(input_ids, logits=False)
+        lm_loss, *mtp_losses = [
+            linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX,
+                                 compiled=self.compile_loss)
+            for hidden, targets in self._targets([out.hidden, *out.mtp_hidden], labels)]
+        loss, metrics = self._combine(model, lm_loss, mtp_losses, labels)
         return ObjectiveOutput(loss / self.micro_batches, metrics, input_ids.numel(), router_counts(model, out))
 
-    def loss_from_outputs(self, model, outputs, labels):
-        """One micro-batch's loss from the logits a pipeline's last stage computed, `outputs` = (logits, *each
-        MTP depth's logits): the loss `HybridLM.forward` computes, shared out as `__call__` does. The expert
-        counts are the pipeline's to collect."""
-        logits, *mtp_logits = outputs
-        lm_loss = self.cross_entropy(logits, labels)
-        mtp_losses = [self.cross_entropy(depth_logits, mtp_targets(labels, depth))
-                      for depth, depth_logits in enumerate(mtp_logits, start=1)]
-        if self.data_sum is None:
-            loss = lm_loss + model.config.mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
-            metrics = {"loss": loss.detach(), "lm_loss": lm_loss.detach(),
-                       **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(mtp_losses, start=1)}}
-        else:
-            loss, metrics = self._share(model, lm_loss, mtp_losses, labels)
-        return ObjectiveOutput(loss / self.micro_batches, metrics, labels.numel())
+    def loss_from_outputs(self, model, outputs, labels, expert_counts=None):
+        """One micro-batch's loss from its logits, `outputs` = (logits, *each MTP depth's logits), as a pipeline's
+        last stage computes them: the loss `HybridLM.forward` computes, shared out as `__call__` does. Under a
+        pipeline the expert counts are the pipeline's to collect."""
+        lm_loss, *mtp_losses = [self.cross_entropy(logits, targets)
+                                for logits, targets in self._targets(outputs, labels)]
+        loss, metrics = self._combine(model, lm_loss, mtp_losses, labels)
+        return ObjectiveOutput(loss / self.micro_batches, metrics, labels.numel(), expert_counts or {})
+
+    @staticmethod
+    def _targets(outputs, labels):
+        """(output, its targets): the next tokens for the first, depth d's targets for the MTP depth d."""
+        return [(output, labels if depth == 0 else mtp_targets(labels, depth)) for depth, output in enumerate(outputs)]
+
+    def _combine(self, model, lm_loss, mtp_losses, labels):
+        """The micro-batch's loss, CE + mtp_loss_weight x the mean of the MTP depths' CE, and its metrics; under
+        data parallelism this rank's share of them."""
+        if self.data_sum is not None:
+            return self._share(model, lm_loss, mtp_losses, labels)
+        loss = lm_loss + model.config.mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
+        return loss, {"loss": loss.detach(), "lm_loss": lm_loss.detach(),
+                      **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(mtp_losses, start=1)}}
 
     def _share(self, model, lm_loss, mtp_losses, labels):
         """This rank's share of the micro-batch's loss and metrics: each mean times local / global valid targets."""
