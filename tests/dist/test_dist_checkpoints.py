@@ -192,3 +192,36 @@ def test_convert_turns_a_sharded_checkpoint_into_the_hf_export_and_back(runs, tm
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
     assert all(torch.equal(state["model"][k], exported[k]) for k in exported)
+
+
+def test_convert_of_a_run_in_progress_takes_the_tokenizer_of_the_model_it_began_with(tmp_path, small_config,
+                                                                                     capsys):
+    """A post-training run has no HF export until it ends: its checkpoints convert with the tokenizer files of
+    `base_model` (GRPO, SFT) or `student` (MOPD); with neither, the conversion says what is missing."""
+    import torch.distributed.checkpoint as dcp
+
+    from hybridtron.checkpoint.hf import save_pretrained
+    from hybridtron.cli import main as cli_main
+    from hybridtron.model.lm import HybridLM
+
+    config = small_config()
+    model = HybridLM(config)
+    base = tmp_path / "base"
+    save_pretrained(model, base)
+    (base / "tokenizer.json").write_text('{"fake": "tokenizer"}')
+    for key in ("base_model", "student"):
+        run_dir = tmp_path / key
+        step = run_dir / "checkpoints" / "step_000010"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": model.state_dict()}, checkpoint_id=str(step))
+        (run_dir / "run_config.json").write_text(json.dumps({key: str(base), "model": config.to_hf(),
+                                                             "train": {}}))
+        assert cli_main(["convert", "--from", str(step), "--to", str(tmp_path / f"hf_{key}")]) == 0
+        assert (tmp_path / f"hf_{key}" / "tokenizer.json").read_text() == '{"fake": "tokenizer"}'
+    (tmp_path / "student" / "run_config.json").write_text(json.dumps({"model": config.to_hf(), "train": {}}))
+    capsys.readouterr()
+    assert cli_main(["convert", "--from", str(tmp_path / "student" / "checkpoints" / "step_000010"),
+                     "--to", str(tmp_path / "no_tokenizer")]) == 0
+    assert "convert: no tokenizer found" in capsys.readouterr().out
+    assert (tmp_path / "no_tokenizer" / "config.json").is_file()

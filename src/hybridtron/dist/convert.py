@@ -6,7 +6,8 @@
 DCP -> HF reads the model tensors of a checkpoint written by any world size and layout (DCP stores them in the
 single-process layout, `hybridtron.dist.state`) into one process and writes config.json and safetensors; the
 model config comes from the run's run_config.json (two levels up from the step directory) or `--config`. The
-optimizer state and the trainer state are left behind.
+tokenizer files come from the run's HF export, or, for a post-training run still in progress, from the model it
+began with (run_config.json's `base_model`; MOPD's `student`). The optimizer state and the trainer state are left behind.
 
 HF -> DCP writes `{"model": state dict}` as a DCP checkpoint: a model-only checkpoint that `dcp.load` reads into a
 sharded model at any world size (`torch.distributed.checkpoint.state_dict.set_model_state_dict`). The tokenizer
@@ -58,9 +59,27 @@ def dcp_to_hf(source: Path, target: Path, config: str | None = None) -> None:
         dcp.load(state, checkpoint_id=str(source))
     model.load_state_dict(state["model"])
     save_pretrained(model, target)
-    for name in TOKENIZER_FILES:  # a run keeps its tokenizer with its HF export
-        if (source.parent.parent / "hf" / name).is_file():
-            shutil.copy(source.parent.parent / "hf" / name, target / name)
+    tokenizer = tokenizer_dir_of(source.parent.parent)
+    if tokenizer is None:
+        print(f"convert: no tokenizer found for {source} (no {source.parent.parent / 'hf'} with tokenizer.json, no "
+              f"base_model or student in its run_config.json): copy tokenizer.json and tokenizer_config.json into {target} "
+              f"to decode with it")
+        return
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).is_file():
+            shutil.copy(tokenizer / name, target / name)
+
+
+def tokenizer_dir_of(run_dir: Path) -> Path | None:
+    """Where a run's tokenizer files are: its HF export, else the model a post-training run began with."""
+    if (run_dir / "hf" / "tokenizer.json").is_file():
+        return run_dir / "hf"
+    config = run_dir / "run_config.json"
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    base = raw.get("base_model") or raw.get("student")
+    if base and (Path(base) / "tokenizer.json").is_file():
+        return Path(base)
+    return None
 
 
 def hf_to_dcp(source: Path, target: Path) -> None:
