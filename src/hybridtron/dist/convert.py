@@ -7,7 +7,8 @@ DCP -> HF reads the model tensors of a checkpoint written by any world size and 
 single-process layout, `hybridtron.dist.state`) into one process and writes config.json and safetensors; the
 model config comes from the run's run_config.json (two levels up from the step directory) or `--config`. The
 tokenizer files come from the run's HF export, or, for a post-training run still in progress, from the model it
-began with (run_config.json's `base_model`; MOPD's `student`). The optimizer state and the trainer state are left behind.
+began with (run_config.json's `base_model`; MOPD's `student`). The optimizer state and the trainer state are left
+behind.
 
 HF -> DCP writes `{"model": state dict}` as a DCP checkpoint: a model-only checkpoint that `dcp.load` reads into a
 sharded model at any world size (`torch.distributed.checkpoint.state_dict.set_model_state_dict`). The tokenizer
@@ -62,8 +63,8 @@ def dcp_to_hf(source: Path, target: Path, config: str | None = None) -> None:
     tokenizer = tokenizer_dir_of(source.parent.parent)
     if tokenizer is None:
         print(f"convert: no tokenizer found for {source} (no {source.parent.parent / 'hf'} with tokenizer.json, no "
-              f"base_model or student in its run_config.json): copy tokenizer.json and tokenizer_config.json into {target} "
-              f"to decode with it")
+              f"base_model or student in its run_config.json): copy tokenizer.json and tokenizer_config.json into "
+              f"{target} to decode with it")
         return
     for name in TOKENIZER_FILES:
         if (tokenizer / name).is_file():

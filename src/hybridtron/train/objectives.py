@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-
 from torch.distributed.tensor import DTensor
 
 from hybridtron.model.lm import cross_entropy, mtp_targets
