@@ -69,9 +69,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             block_loss, grad_RV = block(hidden_RD, weight_VD, safe_targets_N[start:start + rows],
                                         scale_N[start:start + rows])
             loss += block_loss
-            grad_RV = grad_RV.to(weight_VD.dtype)
-            grad_hidden_ND[start:start + rows] = grad_RV @ weight_VD
-            grad_weight_VD.addmm_(grad_RV.t().to(reduce_dtype), hidden_RD.to(reduce_dtype))
+            grad_hidden_ND[start:start + rows] = grad_RV.to(weight_VD.dtype) @ weight_VD
+            grad_weight_VD.addmm_(grad_RV.t(), hidden_RD.to(reduce_dtype))
         ctx.save_for_backward(grad_hidden_ND, grad_weight_VD.to(weight_VD.dtype))
         return loss.float()
 

@@ -354,7 +354,7 @@ def apply_changes(config: PipelineConfig, changes: dict[str, dict[str, Any]], wh
     return PipelineConfig(pipeline=sections["pipeline"], eval=sections["eval"], stages=stages)
 
 
-def read_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+def read_pipeline_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     """A pipeline TOML file as section -> field -> value, the `[STAGE.SECTION]` tables flattened to
     `SECTION.FIELD` keys of their stage."""
     from hybridtron.train.config import read_toml
@@ -472,7 +472,7 @@ def resolve_config(args) -> PipelineConfig:
     """The preset <- the TOML file <- --set overrides, validated."""
     config = preset_config(args.preset)
     if args.config:
-        config = apply_changes(config, read_toml(args.config), args.config)
+        config = apply_changes(config, read_pipeline_toml(args.config), args.config)
     if getattr(args, "base", None):
         config = apply_changes(config, {"pipeline": {"base_model": args.base}, "pretrain": {"enabled": False}},
                                "--base")

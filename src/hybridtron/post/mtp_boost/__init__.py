@@ -113,7 +113,8 @@ def _prompts(args, model_dir: Path, bos_id: int) -> tuple[list[list[int]], list[
 
         tokenizer = load_chat_tokenizer(model_dir, require_template=True)
         encoded = []
-        for conversation in read_conversations(path, require_reply=False):  # a reply that ends one is dropped: the model writes its own
+        # a reply that ends a conversation is dropped: the model writes its own
+        for conversation in read_conversations(path, require_reply=False):
             messages = conversation["messages"]
             messages = messages[:-1] if messages[-1]["role"] == "assistant" else messages
             encoded.append(tokenize_chat(tokenizer, messages, add_generation_prompt=True).ids.tolist())
