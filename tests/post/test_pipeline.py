@@ -141,6 +141,27 @@ def test_a_warmup_asking_for_more_tasks_than_a_domain_has_fails_before_the_first
     assert not (out / "pretrain").exists()
 
 
+def test_an_sft_asking_for_more_code_tasks_than_there_are_fails_before_the_first_stage(tmp_path, capsys):
+    out = tmp_path / "pipe"
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--set", "sft.examples=5000"]) == 2
+    assert "sft.examples=5000: " in capsys.readouterr().err
+    assert not (out / "pretrain").exists()
+
+
+def test_the_sft_stage_mixes_code_solutions_into_the_math_ones(tmp_path):
+    """`[sft] examples = N`: the stage trains on a file of `sft.env_examples` math and N code worked solutions (the
+    multi-domain SFT), written before it runs; without it, on env:math."""
+    config = P.apply_changes(P.preset_config("micro"), {"sft": {"examples": 3}}, "test")
+    argv = P.stage_argv("sft", config, tmp_path)
+    assert argv[argv.index("--data") + 1] == str(tmp_path / "sft" / P.DATA_FILE)
+    assert P.write_stage_data("sft", config, tmp_path / "sft" / P.DATA_FILE) == 40 + 3  # micro: sft.env_examples=40
+    lines = (tmp_path / "sft" / P.DATA_FILE).read_text().splitlines()
+    assert [json.loads(line)["domain"] for line in lines] == ["math"] * 40 + ["code"] * 3
+    math_only = P.apply_changes(config, {"sft": {"examples": 0}}, "test")
+    argv = P.stage_argv("sft", math_only, tmp_path)
+    assert argv[argv.index("--data") + 1] == "env:math" and P.data_draws("sft", math_only) == []
+
+
 @pytest.mark.parametrize("text, message", [
     ("[rlvr\nsteps = 3", "invalid TOML"),
     ("[optimizer]\nlr = 1", "unknown section [optimizer]"),

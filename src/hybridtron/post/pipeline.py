@@ -5,7 +5,7 @@ The stages, in order, each a run directory `OUT/<stage>/` made by the stage's ow
 options the command line would give) and holding that command's HF export in `hf/`:
 
     pretrain        hybridtron pretrain --preset P                        the base model
-    sft             hybridtron sft --model pretrain --data env:math       worked solutions, reasoning trained
+    sft             hybridtron sft --model pretrain --data (math + code)  worked solutions, reasoning trained
     rlvr            hybridtron grpo --model sft --env math                the RLVR student
     math_teacher    hybridtron grpo --model rlvr --env math               longer math RLVR: the student's continued
     code_teacher    hybridtron sft --model sft --data env:code            code-focused SFT from the same base
@@ -17,9 +17,14 @@ options the command line would give) and holding that command's HF export in `hf
     mtp_boost       hybridtron mtp-boost --model mopd_2 --prompts (chat prompts of training tasks)   the drafter trained
                     against the final model, on the kind of text its acceptance is measured on
 
+SFT is multi-domain, as the report's is: the math environment's worked solutions (`sft.env_examples`) and
+`[sft] examples` of the code environment's, written to `OUT/sft/stage_data.jsonl` (`[sft] examples = 0`: math
+alone, `--data env:math`). In a model this small a skill learnt after another overwrites it (docs/LOG.md, session 7):
+a student that learns code only in the warmup loses its math there.
+
 The warmup is its own stage (an SFT run on the teachers' training data: the math and code environments' worked
-solutions, `[mopd_warmup] examples` of each), so that the ablation compares two MOPD runs that differ in their
-starting point only; the MOPD stages run with `mopd.warmup_steps = 0`.
+solutions, `[mopd_warmup] examples` of each, in `OUT/mopd_warmup/stage_data.jsonl`), so that the ablation compares
+two MOPD runs that differ in their starting point only; the MOPD stages run with `mopd.warmup_steps = 0`.
 
 One configuration holds every stage (`--print-config` writes it as TOML; `--config FILE` reads one back;
 `--set STAGE.FIELD=VALUE` changes one field): `[pipeline]` (model preset, torch threads, environments' levels),
@@ -64,6 +69,8 @@ EVAL_FILE = "eval.json"
 RESULT_FILE = "pipeline.json"
 HTML_FILE = "pipeline.html"
 BOOST_PROMPTS = "boost_prompts.jsonl"  # mtp_boost's chat prompts (training-split tasks), written before it runs
+DATA_FILE = "stage_data.jsonl"  # the conversations of a DATA_STAGES stage, written before it runs
+DATA_STAGES = ("sft", "mopd_warmup")  # the SFT stages whose data the pipeline writes from the environments
 CODE_DOMAIN, MATH_DOMAIN = "code", "math"
 
 
@@ -98,7 +105,8 @@ BOOST_FLAGS = ("lr", "batch_size", "depths", "num_samples", "sample_length", "dr
 
 @dataclass(frozen=True, kw_only=True)
 class StageConfig:
-    """A stage's section: `enabled`, `steps`, `examples` (mopd_warmup: worked solutions per teacher domain), and
+    """A stage's section: `enabled`, `steps`, `examples` (sft: code worked solutions mixed into the math ones, 0 for
+    math alone; mopd_warmup: worked solutions per teacher domain), and
     `settings`, the `SECTION.FIELD=VALUE` overrides given to its command (kept as text; the command parses them by
     the type of the field they name)."""
 
@@ -125,7 +133,7 @@ class PipelineSection:
 
     model_preset: str = "tiny"
     base_model: str = ""  # a pretrained checkpoint directory to start from instead of pretraining ("" = pretrain)
-    threads: int = 1  # one intra-op thread: on a shared or busy CPU, 2 threads ran 10x slower (docs/LOG.md)
+    threads: int = 1  # intra-op threads of every stage; tiny: 2 (on a shared or busy CPU, 2 ran 10x slower than 1)
     levels: tuple[int, ...] = (1, 2)
 
 
@@ -133,7 +141,7 @@ class PipelineSection:
 class EvalConfig:
     """`[eval]`: what every stage's model is measured on (held-out test splits, greedy decoding)."""
 
-    math_tasks: int = 200  # one task is 0.5 points (60 tasks left every math comparison within noise)
+    math_tasks: int = 600  # one standard error ~1.6 points at 20% (60 and 200 tasks left comparisons within noise)
     code_tasks: int = 18  # every test-split code task of levels 1-2 (the code environment has 18 of them, 268 train)
     max_tokens: int = 80  # math completion cap (a column-style trace is up to 62 tokens)
     code_max_tokens: int = 96
@@ -169,7 +177,7 @@ class PipelineConfig:
         for name, stage in self.stages.items():
             lines += [f"# {STAGE_BY_NAME[name].what}: hybridtron {STAGE_BY_NAME[name].command}", f"[{name}]",
                       f"enabled = {_toml_value(stage.enabled)}", f"steps = {stage.steps}"]
-            if name == "mopd_warmup":
+            if name in DATA_STAGES:
                 lines.append(f"examples = {stage.examples}")
             for section, values in _settings_tables(stage.settings).items():
                 lines += ["", f"[{name}.{section}]"] + [f"{k} = {_toml_value(_typed(v))}" for k, v in values.items()]
@@ -244,14 +252,17 @@ def _stage(steps: int, *settings: str, enabled: bool = True, examples: int = 0) 
     return StageConfig(enabled=enabled, steps=steps, examples=examples, settings=merge_settings((), settings))
 
 
-# The GRPO settings both presets share: 8 completions of 8 prompts a step, short completions, no MTP drafts in the
-# rollouts (the evaluation measures acceptance), the held-out pass@1 of the stage evaluation instead of GRPO's own.
-_GRPO = ("grpo.group_size=8", "grpo.prompts_per_step=8", "grpo.max_new_tokens=64", "grpo.speculative=false",
-         "grpo.eval_tasks=0", "train.checkpoint_every=10")
+# The tiny preset's GRPO: issue 12's working run (BENCHMARKS.md, "GRPO at rollout temperature 0.5"): 8 completions
+# of 32 prompts a step sampled at T = 0.5, prompts drawn uniformly, lr 1e-4, short completions, no MTP drafts in the
+# rollouts and no MTP loss (MTP boosting retrains the drafter at the end), the stage evaluation instead of GRPO's own.
+_GRPO = ("grpo.group_size=8", "grpo.prompts_per_step=32", "grpo.temperature=0.5", "grpo.curriculum=false",
+         "grpo.max_new_tokens=64", "grpo.speculative=false", "grpo.mtp_loss_weight=0", "grpo.eval_tasks=0",
+         "train.lr=1e-4", "train.checkpoint_every=10")
 
-# MOPD: 32 prompts a step (one completion each, half math, half code), the same completion cap and rollouts as GRPO
-_MOPD = ("mopd.prompts_per_step=32", "mopd.max_new_tokens=64", "mopd.speculative=false", "mopd.task_pool=400",
-         "train.checkpoint_every=5")
+# MOPD: 64 prompts a step (one completion each, half math, half code) at T = 0.5 and lr 2e-4 (docs/LOG.md, session
+# 7: at 32 math prompts, lr 1e-4 recovered 39% of the math teacher's lead in 30 steps, 2e-4 66% in 120; 5e-4 broke)
+_MOPD = ("mopd.prompts_per_step=64", "mopd.temperature=0.5", "mopd.max_new_tokens=64", "mopd.speculative=false",
+         "mopd.mtp_loss_weight=0", "mopd.task_pool=400", "train.lr=2e-4", "train.checkpoint_every=5")
 _MICRO_MOPD = ("mopd.prompts_per_step=4", "mopd.max_new_tokens=6", "mopd.speculative=false", "mopd.task_pool=8",
                "train.grad_accum=1")
 
@@ -262,24 +273,24 @@ _MICRO_MODEL = tuple(f"model.{k}={v}" for k, v in dict(
     moe_intermediate_size=24, moe_shared_expert_intermediate_size=32, moe_latent_size=16, n_group=4).items())
 
 PRESET_STAGES: dict[str, dict[str, StageConfig]] = {
-    # the real run, sized for 2 CPU cores: every stage after SFT as measured in BENCHMARKS.md (issue 13); SFT at
-    # 400 steps because 150 left the quickstart model at 0% math (docs/LOG.md)
+    # the real run, sized for 2 CPU cores (BENCHMARKS.md, issue 13): SFT on the math worked solutions and every
+    # level 1-2 code training task's (268), RLVR and the math teacher at issue 12's working GRPO (50 steps each)
     "tiny": {
         "pretrain": _stage(150, "train.val_every=50", "train.checkpoint_every=50"),
-        "sft": _stage(400, "sft.train_on_thinking=true", "sft.env_examples=3000", "train.val_every=50",
-                      "train.checkpoint_every=50"),
-        "rlvr": _stage(15, *_GRPO),
-        "math_teacher": _stage(15, *_GRPO),
+        "sft": _stage(800, "sft.train_on_thinking=true", "train.val_every=50", "train.checkpoint_every=50",
+                      examples=268),
+        "rlvr": _stage(50, *_GRPO),
+        "math_teacher": _stage(50, *_GRPO),
         "code_teacher": _stage(100, "sft.train_on_thinking=true", "sft.env_examples=250", "train.val_every=50",
                                "train.checkpoint_every=50"),
         "code_teacher_rl": _stage(10, *_GRPO, enabled=False),
         # the warmup as long as the code teacher's own SFT (shorter ones left the student with no passing code:
-        # docs/LOG.md, session 5); the MOPD iterations at GRPO's small LR (5e-4 undid the warmup's math)
-        "mopd_warmup": _stage(100, "sft.train_on_thinking=true", "train.lr=0.002", "train.val_every=20",
+        # docs/LOG.md, session 5), at lr 5e-4: at 2e-3 it took the RLVR student's math from 44.5% to 4.8% (session 7)
+        "mopd_warmup": _stage(100, "sft.train_on_thinking=true", "train.lr=5e-4", "train.val_every=20",
                               "train.checkpoint_every=20", examples=200),
-        "mopd_1": _stage(20, *_MOPD),
-        "mopd_2": _stage(20, *_MOPD),
-        "mopd_no_warmup": _stage(20, *_MOPD),
+        "mopd_1": _stage(40, *_MOPD),
+        "mopd_2": _stage(40, *_MOPD),
+        "mopd_no_warmup": _stage(40, *_MOPD),
         "mtp_boost": _stage(30, "boost.num_samples=64", "boost.sample_length=48", "boost.draft_length=3"),
     },
     # CI: every stage for a step or two on a 512-token vocabulary and a few stdlib families
@@ -289,7 +300,7 @@ PRESET_STAGES: dict[str, dict[str, StageConfig]] = {
                            *_MICRO_MODEL,
                            "data.val_batches=1", "train.warmup_steps=1", "train.val_every=2"),
         "sft": _stage(2, "sft.train_on_thinking=true", "sft.env_examples=40", "sft.seq_len=256", "sft.batch_size=1",
-                      "sft.val_batches=1", "train.val_every=2"),
+                      "sft.val_batches=1", "train.val_every=2", examples=4),
         "rlvr": _stage(1, "grpo.group_size=2", "grpo.prompts_per_step=2", "grpo.task_pool=8",
                        "grpo.max_new_tokens=6", "grpo.speculative=false", "grpo.max_refill_rounds=0",
                        "grpo.eval_tasks=0", "grpo.mtp_loss_weight=0", "train.grad_accum=1"),
@@ -312,7 +323,7 @@ PRESET_STAGES: dict[str, dict[str, StageConfig]] = {
     },
 }
 PRESET_SECTIONS = {
-    "tiny": (PipelineSection(), EvalConfig()),
+    "tiny": (PipelineSection(threads=2), EvalConfig()),
     "micro": (PipelineSection(levels=(1,)),
               EvalConfig(math_tasks=4, code_tasks=2, max_tokens=8, code_max_tokens=8, batch_size=4,
                          val_conversations=4, acceptance_prompts=2, acceptance_tokens=6, draft_length=2)),
@@ -343,10 +354,10 @@ def apply_changes(config: PipelineConfig, changes: dict[str, dict[str, Any]], wh
         stage = stages[name]
         plain = {k: v for k, v in values.items() if "." not in k}
         settings = [f"{k}={_text(v)}" for k, v in values.items() if "." in k]
-        unknown = sorted(set(plain) - {"enabled", "steps", "examples"})
+        unknown = sorted(set(plain) - {"enabled", "steps", *(("examples",) if name in DATA_STAGES else ())})
         if unknown:
             raise ValueError(f"{where}: [{name}] has no field(s) {unknown}; a stage has enabled, steps"
-                             f"{', examples' if name == 'mopd_warmup' else ''} and [{name}.SECTION] tables of its "
+                             f"{', examples' if name in DATA_STAGES else ''} and [{name}.SECTION] tables of its "
                              f"command's settings")
         merged = _build(StageConfig, {**stage_dict(stage), **plain,
                                       "settings": list(merge_settings(stage.settings, settings))}, name)
@@ -415,6 +426,9 @@ def validate(config: PipelineConfig) -> None:
     for name, stage in config.stages.items():
         if stage.steps < 1:
             raise ValueError(f"{name}.steps must be >= 1, got {stage.steps}")
+        if name == "sft" and stage.examples < 0:
+            raise ValueError(f"sft.examples must be >= 0 (code worked solutions mixed in; 0: math alone), got "
+                             f"{stage.examples}")
         if name == "mopd_warmup" and stage.examples < 1:
             raise ValueError(f"mopd_warmup.examples must be >= 1 (worked solutions per teacher domain), got "
                              f"{stage.examples}")
@@ -499,8 +513,8 @@ def stage_argv(name: str, config: PipelineConfig, out: Path) -> list[str]:
     if name == "pretrain":
         return ["--preset", pipe.model_preset, *common, *settings]
     if name == "sft":
-        return ["--model", hf("pretrain"), "--data", "env:math", *common, "--set", f"sft.env_levels={levels}",
-                *settings]
+        data = str(out / name / DATA_FILE) if stage.examples else "env:math"
+        return ["--model", hf("pretrain"), "--data", data, *common, "--set", f"sft.env_levels={levels}", *settings]
     if name in ("rlvr", "math_teacher"):
         base = "sft" if name == "rlvr" else "rlvr"
         return ["--model", hf(base), "--env", "math", *common, "--set", f"grpo.levels={levels}",
@@ -512,7 +526,7 @@ def stage_argv(name: str, config: PipelineConfig, out: Path) -> list[str]:
         return ["--model", hf("code_teacher"), "--env", "code", *common, "--set", f"grpo.levels={levels}",
                 *settings]
     if name == "mopd_warmup":
-        return ["--model", hf("rlvr"), "--data", str(out / name / "teachers_data.jsonl"), *common, *settings]
+        return ["--model", hf("rlvr"), "--data", str(out / name / DATA_FILE), *common, *settings]
     if name.startswith("mopd_"):
         student = {"mopd_1": "mopd_warmup", "mopd_2": "mopd_1", "mopd_no_warmup": "rlvr"}[name]
         steps = config.stages["mopd_1"].steps if name == "mopd_no_warmup" else stage.steps
@@ -581,32 +595,50 @@ def _parse_command_args(stage: Stage, argv: list[str]):
                          f"command's parser (see above)") from None
 
 
-def check_warmup_tasks(config: PipelineConfig) -> None:
-    """Before the first stage: each teacher domain has `mopd_warmup.examples` distinct training tasks at the
-    pipeline's levels (a ValueError naming the setting otherwise)."""
+def data_draws(name: str, config: PipelineConfig) -> list[tuple[str, int, int]]:
+    """(domain, examples, seed) of each environment whose worked solutions make the data of stage `name`: SFT's
+    `sft.env_examples` math solutions (the SFT command's default without the setting) and, with `examples`, that
+    many code solutions, the multi-domain SFT of the report; the warmup's `examples` of each teacher domain, drawn
+    with another seed than the teachers' own SFT data. Empty where the stage reads `env:math` itself."""
+    from hybridtron.post.sft import SFTConfig
+
+    stage = config.stages[name]
+    if name == "mopd_warmup":
+        return [(MATH_DOMAIN, stage.examples, 1), (CODE_DOMAIN, stage.examples, 1)]
+    if name == "sft" and stage.examples:
+        math_examples = int(stage.setting("sft.env_examples") or SFTConfig.env_examples)
+        seed = int(stage.setting("sft.seed") or SFTConfig.seed)
+        return [(MATH_DOMAIN, math_examples, seed), (CODE_DOMAIN, stage.examples, seed)]
+    return []
+
+
+def check_data_tasks(config: PipelineConfig) -> None:
+    """Before the first stage: each environment has the distinct training tasks the data of every enabled
+    DATA_STAGES stage asks of it, at the pipeline's levels (a ValueError naming the setting otherwise)."""
     from hybridtron.post.envs import get_env
 
-    if "mopd_warmup" not in active_stages(config):
-        return
-    count = config.stages["mopd_warmup"].examples
-    for domain in (MATH_DOMAIN, CODE_DOMAIN):
-        with get_env(domain, levels=tuple(config.pipeline.levels)) as env:
-            try:
-                env.tasks("train", count, seed=1)
-            except ValueError as exc:
-                raise ValueError(f"mopd_warmup.examples={count}: {exc}") from None
+    for name in DATA_STAGES:
+        if name not in active_stages(config):
+            continue
+        for domain, count, seed in data_draws(name, config):
+            with get_env(domain, levels=tuple(config.pipeline.levels)) as env:
+                try:
+                    env.tasks("train", count, seed=seed)
+                except ValueError as exc:
+                    setting = f"{name}.examples={config.stages[name].examples}" if domain == CODE_DOMAIN or \
+                        name == "mopd_warmup" else f"{name}.sft.env_examples={count}"
+                    raise ValueError(f"{setting}: {exc}") from None
 
 
-def write_warmup_data(config: PipelineConfig, path: Path) -> int:
-    """The teachers' training data for the warmup: `examples` worked solutions of each teacher domain (the math
-    and code environments' training splits, the levels the teachers trained on), one JSONL file."""
+def write_stage_data(name: str, config: PipelineConfig, path: Path) -> int:
+    """The conversations of stage `name` (see `data_draws`), the environments' training splits at the pipeline's
+    levels, as one JSONL file; returns their number."""
     from hybridtron.post.envs import get_env, write_jsonl
 
     examples = []
-    count = config.stages["mopd_warmup"].examples
-    for domain in (MATH_DOMAIN, CODE_DOMAIN):
+    for domain, count, seed in data_draws(name, config):
         with get_env(domain, levels=tuple(config.pipeline.levels)) as env:
-            examples += env.sft_examples(count, seed=1)  # not the draws (seed 0) the teachers' SFT saw first
+            examples += env.sft_examples(count, seed=seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(path, examples)
     return len(examples)
@@ -636,8 +668,8 @@ def run_stage(name: str, config: PipelineConfig, out: Path, log) -> float:
     resume = stage.command != "mtp-boost" and checkpoints.is_dir() and any(checkpoints.iterdir())
     if resume:
         argv.append("--resume")
-    if name == "mopd_warmup" and not (run_dir / "teachers_data.jsonl").is_file():
-        write_warmup_data(config, run_dir / "teachers_data.jsonl")
+    if data_draws(name, config) and not (run_dir / DATA_FILE).is_file():
+        write_stage_data(name, config, run_dir / DATA_FILE)
     if name == "mtp_boost" and not (run_dir / BOOST_PROMPTS).is_file():
         write_boost_prompts(config, run_dir / BOOST_PROMPTS)
     module, args = _parse_command_args(stage, argv)
@@ -763,7 +795,7 @@ def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str
     prints = fingerprints(config, out)
     eval_print = hashlib.sha256(json.dumps(_plain(config.eval), sort_keys=True).encode()).hexdigest()[:16]
     material = eval_set(config)  # drawn first: an environment without enough test tasks fails now, not in an hour
-    check_warmup_tasks(config)  # and one without enough training tasks for the warmup's data
+    check_data_tasks(config)  # and one without enough training tasks for the SFT stages' data
     for name in active_stages(config):
         record = _read_json(out / name / STAGE_FILE)
         if record is not None and record.get("fingerprint") != prints[name]:
