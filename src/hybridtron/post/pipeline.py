@@ -260,7 +260,8 @@ _GRPO = ("grpo.group_size=8", "grpo.prompts_per_step=32", "grpo.temperature=0.5"
          "train.lr=1e-4", "train.checkpoint_every=10")
 
 # MOPD: 64 prompts a step (one completion each, half math, half code) at T = 0.5 and lr 2e-4 (docs/LOG.md, session
-# 7: at 32 math prompts, lr 1e-4 recovered 39% of the math teacher's lead in 30 steps, 2e-4 66% in 120; 5e-4 broke)
+# 7, math prompts alone: 128 a step at lr 1e-4 won back 39% of a math teacher's lead in 30 steps, 32 a step at 2e-4
+# 66% in 120; 5e-4 broke the student)
 _MOPD = ("mopd.prompts_per_step=64", "mopd.temperature=0.5", "mopd.max_new_tokens=64", "mopd.speculative=false",
          "mopd.mtp_loss_weight=0", "mopd.task_pool=400", "train.lr=2e-4", "train.checkpoint_every=5")
 _MICRO_MOPD = ("mopd.prompts_per_step=4", "mopd.max_new_tokens=6", "mopd.speculative=false", "mopd.task_pool=8",
