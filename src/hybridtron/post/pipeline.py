@@ -596,39 +596,47 @@ def _parse_command_args(stage: Stage, argv: list[str]):
                          f"command's parser (see above)") from None
 
 
-def data_draws(name: str, config: PipelineConfig) -> list[tuple[str, int, int]]:
-    """(domain, examples, seed) of each environment whose worked solutions make the data of stage `name`: SFT's
-    `sft.env_examples` math solutions (the SFT command's default without the setting) and, with `examples`, that
-    many code solutions, the multi-domain SFT of the report; the warmup's `examples` of each teacher domain, drawn
-    with another seed than the teachers' own SFT data. Empty where the stage reads `env:math` itself."""
+@dataclass(frozen=True)
+class DataDraw:
+    """Worked solutions of one environment in a stage's data, and the setting that asks for them (for errors)."""
+
+    domain: str
+    examples: int
+    seed: int
+    setting: str
+
+
+def data_draws(name: str, config: PipelineConfig) -> list[DataDraw]:
+    """The draws whose worked solutions make the data of stage `name`: SFT's `sft.env_examples` math solutions (the
+    SFT command's default without the setting) and, with `examples`, that many code solutions, the multi-domain SFT
+    of the report; the warmup's `examples` of each teacher domain, drawn with another seed than the teachers' own
+    SFT data. Empty for the other stages, and where SFT reads `env:math` itself."""
     from hybridtron.post.sft import SFTConfig
 
     stage = config.stages[name]
+    chosen = f"{name}.examples={stage.examples}"
     if name == "mopd_warmup":
-        return [(MATH_DOMAIN, stage.examples, 1), (CODE_DOMAIN, stage.examples, 1)]
+        return [DataDraw(MATH_DOMAIN, stage.examples, 1, chosen), DataDraw(CODE_DOMAIN, stage.examples, 1, chosen)]
     if name == "sft" and stage.examples:
         math_examples = int(stage.setting("sft.env_examples") or SFTConfig.env_examples)
         seed = int(stage.setting("sft.seed") or SFTConfig.seed)
-        return [(MATH_DOMAIN, math_examples, seed), (CODE_DOMAIN, stage.examples, seed)]
+        return [DataDraw(MATH_DOMAIN, math_examples, seed, f"sft.sft.env_examples={math_examples}"),
+                DataDraw(CODE_DOMAIN, stage.examples, seed, chosen)]
     return []
 
 
 def check_data_tasks(config: PipelineConfig) -> None:
-    """Before the first stage: each environment has the distinct training tasks the data of every enabled
-    DATA_STAGES stage asks of it, at the pipeline's levels (a ValueError naming the setting otherwise)."""
+    """Before the first stage: each environment has the distinct training tasks the data of every enabled stage
+    asks of it, at the pipeline's levels (a ValueError naming the setting otherwise)."""
     from hybridtron.post.envs import get_env
 
-    for name in DATA_STAGES:
-        if name not in active_stages(config):
-            continue
-        for domain, count, seed in data_draws(name, config):
-            with get_env(domain, levels=tuple(config.pipeline.levels)) as env:
+    for name in active_stages(config):
+        for draw in data_draws(name, config):
+            with get_env(draw.domain, levels=tuple(config.pipeline.levels)) as env:
                 try:
-                    env.tasks("train", count, seed=seed)
+                    env.tasks("train", draw.examples, seed=draw.seed)
                 except ValueError as exc:
-                    setting = f"{name}.examples={config.stages[name].examples}" if domain == CODE_DOMAIN or \
-                        name == "mopd_warmup" else f"{name}.sft.env_examples={count}"
-                    raise ValueError(f"{setting}: {exc}") from None
+                    raise ValueError(f"{draw.setting}: {exc}") from None
 
 
 def write_stage_data(name: str, config: PipelineConfig, path: Path) -> int:
@@ -637,9 +645,9 @@ def write_stage_data(name: str, config: PipelineConfig, path: Path) -> int:
     from hybridtron.post.envs import get_env, write_jsonl
 
     examples = []
-    for domain, count, seed in data_draws(name, config):
-        with get_env(domain, levels=tuple(config.pipeline.levels)) as env:
-            examples += env.sft_examples(count, seed=seed)
+    for draw in data_draws(name, config):
+        with get_env(draw.domain, levels=tuple(config.pipeline.levels)) as env:
+            examples += env.sft_examples(draw.examples, seed=draw.seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(path, examples)
     return len(examples)
