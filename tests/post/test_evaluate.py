@@ -64,3 +64,16 @@ def test_an_opened_thinking_block_is_part_of_what_is_graded(tokenizer, small_con
 def test_no_tasks_is_an_error(tokenizer, small_config):
     with pytest.raises(ValueError, match="no tasks"):
         evaluate_env(HybridLM(small_config(vocab_size=512)), tokenizer, Recorder(), [])
+
+
+def test_a_sampled_completion_depends_on_its_task_and_seed_not_on_the_batch_it_fell_in(tokenizer, small_config):
+    """The task at position i of the list has noise key (seed, i) whatever the batch size, so repeated tasks in
+    different batches are different samples, and best-of-k sampling (the pipeline's warmup data) draws k tries."""
+    model = HybridLM(small_config(vocab_size=512, max_position_embeddings=128)).eval()
+    repeated = [TASKS[0]] * 6
+    one_batch = evaluate_env(model, tokenizer, Recorder(), repeated, max_tokens=8, batch_size=6, temperature=1.0,
+                             seed=3)
+    batches_of_two = evaluate_env(model, tokenizer, Recorder(), repeated, max_tokens=8, batch_size=2,
+                                  temperature=1.0, seed=3)
+    assert one_batch.completions == batches_of_two.completions
+    assert len(set(one_batch.completions)) > 1  # an untrained model at T = 1: six tries, not one repeated

@@ -431,13 +431,26 @@ def test_mopd_smoke_on_math_and_code_with_teacher_sampled_warmup(models, tmp_pat
     assert line["reward_mean/math"] == 0.0 and "reverse_kl/code" in line
 
 
+def test_a_verified_warmup_whose_teacher_solves_nothing_is_a_clear_error(models, tmp_path, capsys):
+    """`mopd.warmup_data=verified` keeps only teacher answers the environment scores 1; the untrained test teachers
+    solve no math task, so the warmup would have no math data: an error naming the setting, not an empty domain."""
+    assert cli_main(["mopd", "--student", str(models["student"]), "--teachers",
+                     f"math={models['alpha']},code={models['beta']}", "--out", str(tmp_path / "run"), "--quiet",
+                     "--steps", "1", "--set", "mopd.prompts_per_step=2", "--set", "mopd.max_new_tokens=4",
+                     "--set", "mopd.task_pool=10", "--set", "mopd.env_levels=math=1,code=1-2",
+                     "--set", "mopd.eval_tasks=0", "--set", "mopd.warmup_steps=1", "--set", "mopd.warmup_data=verified",
+                     "--set", "mopd.warmup_tries=2", "--set", "mopd.warmup_examples=4"]) == 2
+    err = capsys.readouterr().err
+    assert "mopd.warmup_data=verified: the teacher " in err and "solved none of 2 math training tasks in 2 tries" in err
+
+
 @pytest.mark.parametrize("setting, message", [
     (dict(teachers="alpha"), "--teachers: 'alpha' is not DOMAIN=DIR"),
     (dict(teachers="alpha=/no/such/dir"), "--teachers alpha=/no/such/dir: no such checkpoint directory"),
     (dict(teachers="gamma={a}"), "names the domain(s) gamma, but no environment of mopd.envs has them"),
     (dict(extra=("--set", "mopd.prompts_per_step=1")), "mopd.prompts_per_step (1) must be at least the number"),
     (dict(extra=("--set", "mopd.correction=clip")), "mopd: correction must be one of tis, icepop, none"),
-    (dict(extra=("--set", "mopd.warmup_data=web")), "mopd.warmup_data must be one of env, teacher"),
+    (dict(extra=("--set", "mopd.warmup_data=web")), "mopd.warmup_data must be one of env, teacher, verified"),
     (dict(extra=("--set", "mopd.group_size=4")), "unknown mopd fields ['group_size']"),
     (dict(extra=("--set", "mopd.envs=nowhere:Env")), "cannot import Env from nowhere"),
 ])

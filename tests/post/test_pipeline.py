@@ -3,6 +3,7 @@ every finished stage, a stage killed in the middle and resumed, and the configur
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -10,6 +11,7 @@ import pytest
 
 from hybridtron.cli import main as cli_main
 from hybridtron.post import pipeline as P
+from hybridtron.post.envs import get_env
 
 STAGES = [stage.name for stage in P.STAGES if stage.name != "code_teacher_rl"]  # off in the presets
 
@@ -117,9 +119,12 @@ def test_a_finished_stage_run_with_another_configuration_is_refused(micro_run, t
     (["--set", "mtp_boost.boost.bogus=1"], "mtp_boost takes boost.FIELD settings"),
     (["--set", "nope.steps=1"], "unknown section [nope]"),
     (["--set", "rlvr.stepz=3"], "[rlvr] has no field(s) ['stepz']"),
+    (["--set", "rlvr.teacher_samples=2"], "[rlvr] has no field(s) ['teacher_samples']"),
+    (["--set", "mopd_warmup.teacher_samples=-1"], "mopd_warmup.teacher_samples must be >= 0"),
     (["--set", "rlvr.steps=0"], "rlvr.steps must be >= 1"),
     (["--set", "rlvr.steps=many"], "rlvr.steps: expected int"),
     (["--set", "sft.enabled=false"], "the stage sft cannot be left out"),
+    (["--set", "math_teacher.enabled=false"], "math_teacher.enabled = false: the stage mopd_1 builds on its model"),
     (["--set", "pipeline.model_preset=huge"], "pipeline.model_preset: unknown preset 'huge'"),
     (["--set", "pipeline.levels=0"], "pipeline.levels must be positive difficulty levels"),
     (["--set", "eval.math_tasks=0"], "eval.math_tasks must be >= 1"),
@@ -136,30 +141,89 @@ def test_bad_configuration_gives_a_clear_error_before_anything_runs(tmp_path, ca
 
 def test_a_warmup_asking_for_more_tasks_than_a_domain_has_fails_before_the_first_stage(tmp_path, capsys):
     out = tmp_path / "pipe"
-    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--set", "mopd_warmup.examples=5000"]) == 2
-    assert "mopd_warmup.examples=5000: " in capsys.readouterr().err
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--set", "mopd_warmup.code_examples=5000"]) == 2
+    assert "mopd_warmup.code_examples=5000: " in capsys.readouterr().err
     assert not (out / "pretrain").exists()
 
 
 def test_an_sft_asking_for_more_code_tasks_than_there_are_fails_before_the_first_stage(tmp_path, capsys):
     out = tmp_path / "pipe"
-    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--set", "sft.examples=5000"]) == 2
-    assert "sft.examples=5000: " in capsys.readouterr().err
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--set", "sft.code_examples=5000"]) == 2
+    assert "sft.code_examples=5000: " in capsys.readouterr().err
     assert not (out / "pretrain").exists()
 
 
 def test_the_sft_stage_mixes_code_solutions_into_the_math_ones(tmp_path):
-    """`[sft] examples = N`: the stage trains on a file of `sft.env_examples` math and N code worked solutions (the
+    """`[sft] code_examples = N`: the stage trains on a file of `sft.env_examples` math and N code worked solutions (the
     multi-domain SFT), written before it runs; without it, on env:math."""
-    config = P.apply_changes(P.preset_config("micro"), {"sft": {"examples": 3}}, "test")
+    config = P.apply_changes(P.preset_config("micro"), {"sft": {"code_examples": 3}}, "test")
     argv = P.stage_argv("sft", config, tmp_path)
     assert argv[argv.index("--data") + 1] == str(tmp_path / "sft" / P.DATA_FILE)
-    assert P.write_stage_data("sft", config, tmp_path / "sft" / P.DATA_FILE) == 40 + 3  # micro: sft.env_examples=40
+    assert P.write_stage_data("sft", config, tmp_path) == 40 + 3  # micro: sft.env_examples=40
     lines = (tmp_path / "sft" / P.DATA_FILE).read_text().splitlines()
     assert [json.loads(line)["domain"] for line in lines] == ["math"] * 40 + ["code"] * 3
-    math_only = P.apply_changes(config, {"sft": {"examples": 0}}, "test")
+    math_only = P.apply_changes(config, {"sft": {"code_examples": 0}}, "test")
     argv = P.stage_argv("sft", math_only, tmp_path)
     assert argv[argv.index("--data") + 1] == "env:math" and P.data_draws("sft", math_only) == []
+
+
+def test_the_math_teacher_is_math_sft_then_math_rlvr_or_the_students_rlvr_continued(tmp_path):
+    config = P.preset_config("micro")
+    argv = P.stage_argv("math_teacher_sft", config, tmp_path)
+    assert (argv[argv.index("--model") + 1], argv[argv.index("--data") + 1]) == (str(tmp_path / "sft" / "hf"),
+                                                                                 "env:math")
+    argv = P.stage_argv("math_teacher", config, tmp_path)
+    assert argv[argv.index("--model") + 1] == str(tmp_path / "math_teacher_sft" / "hf")
+    continued = P.apply_changes(config, {"math_teacher_sft": {"enabled": False}}, "test")
+    argv = P.stage_argv("math_teacher", continued, tmp_path)
+    assert argv[argv.index("--model") + 1] == str(tmp_path / "rlvr" / "hf")
+    assert P.upstream("math_teacher", continued) == ["rlvr"] and "math_teacher_sft" not in P.active_stages(continued)
+
+
+def test_the_warmup_data_are_each_teachers_verified_answers(micro_run):
+    """With `teacher_samples = k` a warmup task keeps the first of its teacher's k tries that the environment
+    scores 1 (here: any answer of odd length), a task never solved is left out, and one more try only adds tasks:
+    try j of a task is the same sample whatever k is."""
+    config = P.apply_changes(P.preset_config("micro"), {"mopd_warmup": {"teacher_samples": 3}}, "test")
+    math_draw, code_draw = P.data_draws("mopd_warmup", config)
+    assert (math_draw.teacher, math_draw.samples, code_draw.teacher) == ("math_teacher", 3, "code_teacher")
+    assert set(P.upstream("mopd_warmup", config)) == {"rlvr", "math_teacher", "code_teacher"}
+    teacher = micro_run / "math_teacher" / "hf"
+    with get_env("math", levels=(1,)) as env:
+        env.rewards = lambda tasks, completions: [float(len(c) % 2) for c in completions]
+        once = P.teacher_examples(teacher, env, dataclasses.replace(math_draw, samples=1), config)
+        thrice = P.teacher_examples(teacher, env, math_draw, config)
+        env.rewards = lambda tasks, completions: [0.0] * len(completions)
+        with pytest.raises(ValueError, match=r"mopd_warmup.math_examples=20: the math_teacher stage's model: the teacher "
+                                             r".* solved none of 20 math training tasks in 3 tries each"):
+            P.teacher_examples(teacher, env, math_draw, config)
+
+    def answers(examples):
+        return {ex["messages"][-2]["content"]: ex["messages"][-1]["content"] for ex in examples}
+
+    assert 0 < len(once) <= len(thrice) <= 20
+    assert all(len(answer) % 2 for answer in answers(thrice).values())
+    assert answers(once).items() <= answers(thrice).items()
+    assert all(ex["domain"] == "math" and ex["messages"][-1]["role"] == "assistant" for ex in thrice)
+
+
+def test_the_warmup_stage_writes_its_teachers_answers_before_it_runs(tmp_path, monkeypatch):
+    config = P.apply_changes(P.preset_config("micro"), {"mopd_warmup": {"teacher_samples": 2}}, "test")
+    asked = []
+
+    def answered(hf_dir, env, draw, config):
+        asked.append((hf_dir, draw.domain, draw.samples))
+        return [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                 "domain": draw.domain}]
+
+    monkeypatch.setattr(P, "teacher_examples", answered)
+    lines = []
+    assert P.write_stage_data("mopd_warmup", config, tmp_path, lines.append) == 2
+    assert asked == [(tmp_path / "math_teacher" / "hf", "math", 2), (tmp_path / "code_teacher" / "hf", "code", 2)]
+    rows = [json.loads(line) for line in (tmp_path / "mopd_warmup" / P.DATA_FILE).read_text().splitlines()]
+    assert [row["domain"] for row in rows] == ["math", "code"]
+    assert lines[0] == "[mopd_warmup] math_teacher: 1 of 20 math tasks solved in 2 tries each"
+    assert not list((tmp_path / "mopd_warmup").glob("*.partial"))
 
 
 @pytest.mark.parametrize("text, message", [

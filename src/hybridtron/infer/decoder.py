@@ -525,22 +525,24 @@ class Decoder:
     """A fixed batch of prompts, decoded together to the end (see the module docstring).
 
     Every prompt gets a slot; identical prompts share one prefill. `params` applies to every sequence; with a
-    `params.seed`, sequence b's noise key is `noise_key(seed, b)`. `logprobs` / `expert_ids`: keep them per
-    sequence. Other keywords go to the batch (`DecodeBatch`; `SpeculativeDecoder` adds the drafter's)."""
+    `params.seed`, sequence b's noise key is `noise_key(seed, first_sample + b)` (`first_sample`: the position of
+    this batch's first prompt in a longer list decoded batch by batch, so that a prompt's sample does not depend on
+    the batch it fell in). `logprobs` / `expert_ids`: keep them per sequence. Other keywords go to the batch
+    (`DecodeBatch`; `SpeculativeDecoder` adds the drafter's)."""
 
     batch_class = DecodeBatch
 
     def __init__(self, model, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  max_context: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  state_quant: str = "fp32", compile: bool = False, fast_paths: bool | None = None,
-                 logprobs: bool = False, expert_ids: bool = False, **batch_options):
+                 logprobs: bool = False, expert_ids: bool = False, first_sample: int = 0, **batch_options):
         if compile and expert_ids:
             raise ValueError("expert_ids: the compiled decode step keeps no routing choices; decode without compile")
         self.params = params
         self.limit = context_limit(model, max_context)
         prompts = check_prompts(prompts, model.config.vocab_size, self.limit)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 62, ()))
-        self.sequences = [SequenceState(prompt, params, key=noise_key(seed, b),
+        self.sequences = [SequenceState(prompt, params, key=noise_key(seed, first_sample + b),
                                         stop_token_ids=frozenset(params.stop_token_ids), limit=self.limit,
                                         keep_logprobs=logprobs, routing={} if expert_ids else None)
                           for b, prompt in enumerate(prompts)]

@@ -52,10 +52,11 @@ class EnvEvaluation:
 
 
 def evaluate_env(model, tokenizer, env, tasks: Sequence, *, max_tokens: int = 256, batch_size: int = 32,
-                 temperature: float = 0.0, seed: int = 0, enable_thinking: bool | None = None,
-                 speculative: bool = False) -> EnvEvaluation:
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 enable_thinking: bool | None = None, speculative: bool = False) -> EnvEvaluation:
     """Generate one completion per task (greedy unless `temperature` > 0) and grade it with `env`. `model` is put
-    in eval mode."""
+    in eval mode. A sampled completion depends on its task, its place in `tasks` and `seed`, not on `batch_size`:
+    a task listed k times gets k independent samples."""
     from hybridtron.data.chat import tokenize_chat
     from hybridtron.infer.engine import generate_tokens
     from hybridtron.infer.sampling import SamplingParams
@@ -66,7 +67,7 @@ def evaluate_env(model, tokenizer, env, tasks: Sequence, *, max_tokens: int = 25
         raise ValueError(f"evaluate_env: batch_size must be >= 1, got {batch_size}")
     started = time.perf_counter()
     model.eval()
-    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
                             stop_token_ids=(tokenizer.token_id(IM_END), tokenizer.eos_id))
     # the opening the generation prompt wrote belongs to the completion the grader reads
     opening = THINK_START + "\n" if enable_thinking is True else ""
@@ -74,7 +75,8 @@ def evaluate_env(model, tokenizer, env, tasks: Sequence, *, max_tokens: int = 25
                              enable_thinking=enable_thinking).ids.tolist() for task in tasks]
     completions, lengths, truncated = [], [], 0
     for start in range(0, len(prompts), batch_size):
-        for tokens in generate_tokens(model, prompts[start:start + batch_size], params, speculative=speculative):
+        for tokens in generate_tokens(model, prompts[start:start + batch_size], params, speculative=speculative,
+                                      first_sample=start):
             stopped = bool(tokens) and tokens[-1] in params.stop_token_ids
             truncated += not stopped
             text = tokenizer.decode(tokens[:-1] if stopped else tokens)

@@ -77,7 +77,7 @@ if TYPE_CHECKING:  # imported with torch, when a run starts
 # [train] defaults of MOPD, GRPO's (a small constant LR after a short warmup, 4 micro-batches a step)
 MOPD_TRAIN = dict(steps=100, lr=1e-4, warmup_steps=5, decay_fraction=0.0, grad_accum=4, checkpoint_every=20)
 MODEL_FIXED = "the model is fixed by --student (its config.json); MOPD trains the weights, not the architecture"
-WARMUP_DATA = ("env", "teacher")
+WARMUP_DATA = ("env", "teacher", "verified")
 WARMUP_DIR, WARMUP_FILE = "warmup", "warmup_data.jsonl"
 
 
@@ -122,7 +122,9 @@ class MOPDConfig:
     mtp_loss_weight: float = 0.1  # MTP CE on the completions, so the drafter follows the student (0 = off)
     # warmup: a light SFT on each domain's data before MOPD (0 = the ablation without it)
     warmup_steps: int = 20  # SFT steps (the run's first phase, in out/warmup)
-    warmup_data: str = "env"  # env: the environments' worked solutions; teacher: samples of each domain's teacher
+    warmup_data: str = "env"  # env: the environments' worked solutions; teacher: samples of each domain's teacher;
+    # verified: the first of warmup_tries teacher samples the environment scores 1 (unsolved tasks left out)
+    warmup_tries: int = 4
     warmup_examples: int = 1000  # conversations, split by domain_weights
     warmup_lr: float = 5e-4  # peak LR of the warmup (after a 10% linear warmup; the last 20% decays)
     warmup_batch_size: int = 8  # packed rows per warmup step
@@ -193,7 +195,8 @@ class MOPDConfig:
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "max_new_tokens", "draft_length", "teacher_batch_size", "eval_every",
-                     "eval_max_tokens", "eval_batch_size", "warmup_examples", "warmup_batch_size", "warmup_seq_len"):
+                     "eval_max_tokens", "eval_batch_size", "warmup_examples", "warmup_tries", "warmup_batch_size",
+                     "warmup_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"mopd.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("staleness", "rollout_threads", "eval_tasks", "top_k", "warmup_steps"):
@@ -464,11 +467,13 @@ class DomainAccuracy:
 
 
 # ------------------------------------------------------------------------------------------------ warmup
-def warmup_examples(config: MOPDRunConfig, tokenizer) -> list[dict]:
+def warmup_examples(config: MOPDRunConfig) -> list[dict]:
     """The warmup's conversations: each domain's share of `mopd.warmup_examples`, the environment's worked
-    solutions ("env") or one completion of each training prompt sampled from the domain's teacher ("teacher", at
-    the rollouts' temperature and length cap; a completion cut at the cap is kept as it stands)."""
+    solutions ("env"), or completions of each training prompt sampled from the domain's teacher at the rollouts'
+    temperature and length cap: its first ("teacher"; a completion cut at the cap is kept as it stands), or the
+    first of `mopd.warmup_tries` that the environment scores 1 ("verified"; a prompt never solved is left out)."""
     from hybridtron.post.mixture import domain_quotas
+    from hybridtron.post.teachers import teacher_answers
 
     mopd = config.mopd
     with mopd.mixture() as mixture:
@@ -476,33 +481,17 @@ def warmup_examples(config: MOPDRunConfig, tokenizer) -> list[dict]:
             return mixture.sft_examples(mopd.warmup_examples, mopd.seed)
         examples = []
         for env, quota in zip(mixture.members, domain_quotas(mopd.warmup_examples, mixture.weights)):
-            examples += teacher_samples(config, env, env.tasks("train", quota, mopd.seed), tokenizer)
+            try:
+                examples += teacher_answers(config.panel.teacher_for(env.domain), env,
+                                            env.tasks("train", quota, mopd.seed), temperature=mopd.temperature,
+                                            top_k=mopd.top_k, top_p=mopd.top_p, max_tokens=mopd.max_new_tokens,
+                                            seed=mopd.seed, enable_thinking=mopd.enable_thinking,
+                                            batch_size=mopd.eval_batch_size, tries=mopd.warmup_tries,
+                                            verified=mopd.warmup_data == "verified")
+            except ValueError as exc:
+                raise ValueError(f"mopd.warmup_data=verified: {exc}, so the warmup has no {env.domain} data; "
+                                 f"raise mopd.warmup_tries, or use warmup_data=teacher or env") from None
         return examples
-
-
-def teacher_samples(config: MOPDRunConfig, env, tasks, tokenizer) -> list[dict]:
-    """Conversations whose assistant turn the domain's teacher wrote (see `warmup_examples`)."""
-    import torch
-
-    from hybridtron.checkpoint import load_pretrained
-    from hybridtron.data.chat import tokenize_chat
-    from hybridtron.infer.engine import HybridEngine
-
-    mopd = config.mopd
-    teacher = load_pretrained(config.panel.teacher_for(env.domain), dtype=torch.float32).eval()
-    engine = HybridEngine.from_model(teacher, tokenizer, copy_weights=False, model_name="teacher", speculative=False)
-    messages = [env.prompt_messages(task) for task in tasks]
-    prompts = [tokenize_chat(tokenizer, m, add_generation_prompt=True, enable_thinking=mopd.enable_thinking)
-               .ids.tolist() for m in messages]
-    completions = engine.generate(prompts, mopd.sampling_params(mopd.seed), n=1, logprobs=False)
-    opening = "<think>\n" if mopd.enable_thinking is True else ""  # the generation prompt wrote it
-    examples = []
-    for conversation, (completion,) in zip(messages, completions):
-        ids = completion.token_ids[:-1] if completion.finish_reason == "stop" else completion.token_ids
-        examples.append({"messages": conversation + [{"role": "assistant",
-                                                      "content": opening + tokenizer.decode(ids)}],
-                         "domain": env.domain})
-    return examples
 
 
 def warmup_run_config(config: MOPDRunConfig, data_file: Path):
@@ -535,7 +524,7 @@ def run_warmup(config: MOPDRunConfig, out: Path, *, resume: bool, quiet: bool) -
     if not data_file.is_file():  # written once: a resumed warmup reads the same conversations
         # under torchrun every rank makes the same file and renames its own copy into place
         staging = data_file.with_suffix(f".tmp{os.environ.get('RANK', '0')}")
-        write_jsonl(staging, warmup_examples(config, tokenizer)).replace(data_file)
+        write_jsonl(staging, warmup_examples(config)).replace(data_file)
     sft_config = warmup_run_config(config, data_file)
     args = argparse.Namespace(out=str(directory), resume=resume, steps=None)
     result = train_in_run_dir(args, sft_config, sft.SFTRunConfig.load,

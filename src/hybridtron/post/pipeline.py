@@ -4,27 +4,33 @@ resumable command.
 The stages, in order, each a run directory `OUT/<stage>/` made by the stage's own command (its `run(args)`, with the
 options the command line would give) and holding that command's HF export in `hf/`:
 
-    pretrain        hybridtron pretrain --preset P                        the base model
-    sft             hybridtron sft --model pretrain --data (math + code)  worked solutions, reasoning trained
-    rlvr            hybridtron grpo --model sft --env math                the RLVR student
-    math_teacher    hybridtron grpo --model rlvr --env math               longer math RLVR: the student's continued
-    code_teacher    hybridtron sft --model sft --data env:code            code-focused SFT from the same base
-    code_teacher_rl hybridtron grpo --model code_teacher --env code       code RLVR on top (off in the presets)
-    mopd_warmup     hybridtron sft --model rlvr --data teachers' data     a light SFT on every teacher's domain
-    mopd_1          hybridtron mopd --student mopd_warmup --teachers math=math_teacher,code=code_teacher --general rlvr
-    mopd_2          hybridtron mopd --student mopd_1 (same panel)         the second iteration
-    mopd_no_warmup  hybridtron mopd --student rlvr (same panel, mopd_1's steps)    the ablation without warmup
-    mtp_boost       hybridtron mtp-boost --model mopd_2 --prompts (chat prompts of training tasks)   the drafter trained
-                    against the final model, on the kind of text its acceptance is measured on
+    pretrain         hybridtron pretrain --preset P                        the base model
+    sft              hybridtron sft --model pretrain --data (math + code)  worked solutions, reasoning trained
+    rlvr             hybridtron grpo --model sft --env math                the RLVR student
+    math_teacher_sft hybridtron sft --model sft --data env:math            math-focused SFT from the same base
+    math_teacher     hybridtron grpo --model math_teacher_sft --env math   math RLVR on top (with math_teacher_sft
+                                                                           off: the student's RLVR continued)
+    code_teacher     hybridtron sft --model sft --data env:code            code-focused SFT from the same base
+    code_teacher_rl  hybridtron grpo --model code_teacher --env code       code RLVR on top (off in the presets)
+    mopd_warmup      hybridtron sft --model rlvr --data teachers' data     a light SFT on every teacher's domain
+    mopd_1           hybridtron mopd --student mopd_warmup --teachers math=math_teacher,code=code_teacher --general rlvr
+    mopd_2           hybridtron mopd --student mopd_1 (same panel)         the second iteration
+    mopd_no_warmup   hybridtron mopd --student rlvr (same panel, mopd_1's steps)    the ablation without warmup
+    mtp_boost        hybridtron mtp-boost --model mopd_2 --prompts (chat prompts of training tasks)   the drafter trained
+                     against the final model, on the kind of text its acceptance is measured on
 
 SFT is multi-domain, as the report's is: the math environment's worked solutions (`sft.env_examples`) and
-`[sft] examples` of the code environment's, written to `OUT/sft/stage_data.jsonl` (`[sft] examples = 0`: math
+`[sft] code_examples` of the code environment's, written to `OUT/sft/stage_data.jsonl` (`code_examples = 0`: math
 alone, `--data env:math`). In a model this small a skill learnt after another overwrites it (docs/LOG.md, session 7):
 a student that learns code only in the warmup loses its math there.
 
-The warmup is its own stage (an SFT run on the teachers' training data: the math and code environments' worked
-solutions, `[mopd_warmup] examples` of each, in `OUT/mopd_warmup/stage_data.jsonl`), so that the ablation compares
-two MOPD runs that differ in their starting point only; the MOPD stages run with `mopd.warmup_steps = 0`.
+The teachers are specialists made from the multi-domain SFT model, each by SFT on its own domain and (for math,
+and for code with `code_teacher_rl`) RLVR on top. The warmup is its own stage, an SFT run on each teacher's data,
+so that the ablation compares two MOPD runs that differ in their starting point only (the MOPD stages run with
+`mopd.warmup_steps = 0`). A teacher's SFT data is here the student's own, so its data for the warmup are its
+answers: `[mopd_warmup] math_examples` and `code_examples` training tasks, each answered by its domain's teacher up to
+`teacher_samples` times, the first answer the environment scores 1 kept (rejection sampling; `teacher_samples = 0`:
+the tasks' worked solutions instead), in `OUT/mopd_warmup/stage_data.jsonl`.
 
 One configuration holds every stage (`--print-config` writes it as TOML; `--config FILE` reads one back;
 `--set STAGE.FIELD=VALUE` changes one field): `[pipeline]` (model preset, torch threads, environments' levels),
@@ -70,7 +76,9 @@ RESULT_FILE = "pipeline.json"
 HTML_FILE = "pipeline.html"
 BOOST_PROMPTS = "boost_prompts.jsonl"  # mtp_boost's chat prompts (training-split tasks), written before it runs
 DATA_FILE = "stage_data.jsonl"  # the conversations of a DATA_STAGES stage, written before it runs
-DATA_STAGES = ("sft", "mopd_warmup")  # the SFT stages whose data the pipeline writes from the environments
+# the SFT stages whose data the pipeline writes, and the fields of their sections that say what it is
+DATA_STAGES = {"sft": ("code_examples",), "mopd_warmup": ("math_examples", "code_examples", "teacher_samples")}
+TEACHER_TEMPERATURE = 0.5  # the teachers' sampling temperature for the warmup data: the rollouts' (GRPO's, MOPD's)
 CODE_DOMAIN, MATH_DOMAIN = "code", "math"
 
 
@@ -87,9 +95,10 @@ class Stage:
 
 STAGES = (
     Stage(name="pretrain", command="pretrain", module="hybridtron.train.pretrain", what="pretraining"),
-    Stage(name="sft", command="sft", module="hybridtron.post.sft", what="SFT on math worked solutions"),
+    Stage(name="sft", command="sft", module="hybridtron.post.sft", what="SFT on math and code worked solutions"),
     Stage(name="rlvr", command="grpo", module="hybridtron.post.grpo", what="RLVR student (GRPO on math)"),
-    Stage(name="math_teacher", command="grpo", module="hybridtron.post.grpo", what="math teacher (longer RLVR)"),
+    Stage(name="math_teacher_sft", command="sft", module="hybridtron.post.sft", what="math teacher (math SFT)"),
+    Stage(name="math_teacher", command="grpo", module="hybridtron.post.grpo", what="math teacher (math RLVR)"),
     Stage(name="code_teacher", command="sft", module="hybridtron.post.sft", what="code teacher (code SFT)"),
     Stage(name="code_teacher_rl", command="grpo", module="hybridtron.post.grpo", what="code teacher (code RLVR)"),
     Stage(name="mopd_warmup", command="sft", module="hybridtron.post.sft", what="MOPD warmup (teachers' data)"),
@@ -105,14 +114,18 @@ BOOST_FLAGS = ("lr", "batch_size", "depths", "num_samples", "sample_length", "dr
 
 @dataclass(frozen=True, kw_only=True)
 class StageConfig:
-    """A stage's section: `enabled`, `steps`, `examples` (sft: code worked solutions mixed into the math ones, 0 for
-    math alone; mopd_warmup: worked solutions per teacher domain), and
-    `settings`, the `SECTION.FIELD=VALUE` overrides given to its command (kept as text; the command parses them by
-    the type of the field they name)."""
+    """A stage's section: `enabled`, `steps`, the data fields of the DATA_STAGES (sft: `code_examples`, code worked
+    solutions mixed into the math ones, 0 for math alone; mopd_warmup: `math_examples` and `code_examples`, training
+    tasks of each teacher domain, and `teacher_samples`, each teacher's tries at each task, the first one its
+    environment scores 1 kept, 0 for the tasks' worked solutions, the teachers' SFT data), and `settings`, the
+    `SECTION.FIELD=VALUE` overrides given to its command (kept as text; the command parses them by the type of the
+    field they name)."""
 
     enabled: bool = True
     steps: int = 1
-    examples: int = 0
+    math_examples: int = 0
+    code_examples: int = 0
+    teacher_samples: int = 0
     settings: tuple[str, ...] = ()
 
     def setting(self, key: str) -> str | None:
@@ -177,8 +190,7 @@ class PipelineConfig:
         for name, stage in self.stages.items():
             lines += [f"# {STAGE_BY_NAME[name].what}: hybridtron {STAGE_BY_NAME[name].command}", f"[{name}]",
                       f"enabled = {_toml_value(stage.enabled)}", f"steps = {stage.steps}"]
-            if name in DATA_STAGES:
-                lines.append(f"examples = {stage.examples}")
+            lines += [f"{field} = {getattr(stage, field)}" for field in DATA_STAGES.get(name, ())]
             for section, values in _settings_tables(stage.settings).items():
                 lines += ["", f"[{name}.{section}]"] + [f"{k} = {_toml_value(_typed(v))}" for k, v in values.items()]
             lines.append("")
@@ -190,7 +202,8 @@ def _plain(obj) -> dict:
 
 
 def stage_dict(stage: StageConfig) -> dict:
-    return {"enabled": stage.enabled, "steps": stage.steps, "examples": stage.examples,
+    return {"enabled": stage.enabled, "steps": stage.steps, "math_examples": stage.math_examples,
+            "code_examples": stage.code_examples, "teacher_samples": stage.teacher_samples,
             "settings": list(stage.settings)}
 
 
@@ -248,8 +261,8 @@ def merge_settings(settings, changes) -> tuple[str, ...]:
     return tuple(f"{key}={value}" for key, value in merged.items())
 
 
-def _stage(steps: int, *settings: str, enabled: bool = True, examples: int = 0) -> StageConfig:
-    return StageConfig(enabled=enabled, steps=steps, examples=examples, settings=merge_settings((), settings))
+def _stage(steps: int, *settings: str, enabled: bool = True, **data: int) -> StageConfig:
+    return StageConfig(enabled=enabled, steps=steps, settings=merge_settings((), settings), **data)
 
 
 # The tiny preset's GRPO: issue 12's working run (BENCHMARKS.md, "GRPO at rollout temperature 0.5"): 8 completions
@@ -279,16 +292,22 @@ PRESET_STAGES: dict[str, dict[str, StageConfig]] = {
     "tiny": {
         "pretrain": _stage(150, "train.val_every=50", "train.checkpoint_every=50"),
         "sft": _stage(800, "sft.train_on_thinking=true", "train.val_every=50", "train.checkpoint_every=50",
-                      examples=268),
+                      code_examples=268),
         "rlvr": _stage(50, *_GRPO),
+        # the math teacher is specialised like the code teacher, by SFT on its domain alone, then RLVR: from the
+        # multi-domain student, 50 more GRPO steps did not raise math (23.7% -> 23.0%: docs/LOG.md, session 7)
+        "math_teacher_sft": _stage(200, "sft.train_on_thinking=true", "train.val_every=50",
+                                   "train.checkpoint_every=50"),
         "math_teacher": _stage(50, *_GRPO),
         "code_teacher": _stage(100, "sft.train_on_thinking=true", "sft.env_examples=250", "train.val_every=50",
                                "train.checkpoint_every=50"),
         "code_teacher_rl": _stage(10, *_GRPO, enabled=False),
         # the warmup as long as the code teacher's own SFT (shorter ones left the student with no passing code:
-        # docs/LOG.md, session 5), at lr 5e-4: at 2e-3 it took the RLVR student's math from 44.5% to 4.8% (session 7)
+        # docs/LOG.md, session 5), at lr 5e-4 (at 2e-3 it took the RLVR student's math from 44.5% to 4.8%: session
+        # 7), on each teacher's verified answers, best of 4: the worked solutions cost the student more math and
+        # taught it less code, and of the warmups tried only one with ~400 math answers raised math (session 8)
         "mopd_warmup": _stage(100, "sft.train_on_thinking=true", "train.lr=5e-4", "train.val_every=20",
-                              "train.checkpoint_every=20", examples=200),
+                              "train.checkpoint_every=20", math_examples=600, code_examples=200, teacher_samples=4),
         "mopd_1": _stage(40, *_MOPD),
         "mopd_2": _stage(40, *_MOPD),
         "mopd_no_warmup": _stage(40, *_MOPD),
@@ -301,10 +320,12 @@ PRESET_STAGES: dict[str, dict[str, StageConfig]] = {
                            *_MICRO_MODEL,
                            "data.val_batches=1", "train.warmup_steps=1", "train.val_every=2"),
         "sft": _stage(2, "sft.train_on_thinking=true", "sft.env_examples=40", "sft.seq_len=256", "sft.batch_size=1",
-                      "sft.val_batches=1", "train.val_every=2", examples=4),
+                      "sft.val_batches=1", "train.val_every=2", code_examples=4),
         "rlvr": _stage(1, "grpo.group_size=2", "grpo.prompts_per_step=2", "grpo.task_pool=8",
                        "grpo.max_new_tokens=6", "grpo.speculative=false", "grpo.max_refill_rounds=0",
                        "grpo.eval_tasks=0", "grpo.mtp_loss_weight=0", "train.grad_accum=1"),
+        "math_teacher_sft": _stage(2, "sft.train_on_thinking=true", "sft.env_examples=40", "sft.seq_len=256",
+                                   "sft.batch_size=1", "sft.val_batches=1", "train.val_every=2"),
         "math_teacher": _stage(1, "grpo.group_size=2", "grpo.prompts_per_step=2", "grpo.task_pool=8",
                                "grpo.max_new_tokens=6", "grpo.speculative=false", "grpo.max_refill_rounds=0",
                                "grpo.eval_tasks=0", "grpo.mtp_loss_weight=0", "train.grad_accum=1"),
@@ -315,7 +336,7 @@ PRESET_STAGES: dict[str, dict[str, StageConfig]] = {
                                   "grpo.eval_tasks=0", "grpo.mtp_loss_weight=0", "train.grad_accum=1",
                                   enabled=False),
         "mopd_warmup": _stage(2, "sft.train_on_thinking=true", "sft.seq_len=256", "sft.batch_size=1",
-                              "sft.val_batches=1", "train.val_every=2", examples=20),
+                              "sft.val_batches=1", "train.val_every=2", math_examples=20, code_examples=20),
         "mopd_1": _stage(1, *_MICRO_MOPD),
         "mopd_2": _stage(1, *_MICRO_MOPD),
         "mopd_no_warmup": _stage(1, *_MICRO_MOPD),
@@ -355,11 +376,11 @@ def apply_changes(config: PipelineConfig, changes: dict[str, dict[str, Any]], wh
         stage = stages[name]
         plain = {k: v for k, v in values.items() if "." not in k}
         settings = [f"{k}={_text(v)}" for k, v in values.items() if "." in k]
-        unknown = sorted(set(plain) - {"enabled", "steps", *(("examples",) if name in DATA_STAGES else ())})
+        fields = ("enabled", "steps", *DATA_STAGES.get(name, ()))
+        unknown = sorted(set(plain) - set(fields))
         if unknown:
-            raise ValueError(f"{where}: [{name}] has no field(s) {unknown}; a stage has enabled, steps"
-                             f"{', examples' if name in DATA_STAGES else ''} and [{name}.SECTION] tables of its "
-                             f"command's settings")
+            raise ValueError(f"{where}: [{name}] has no field(s) {unknown}; this stage has {', '.join(fields)} and "
+                             f"[{name}.SECTION] tables of its command's settings")
         merged = _build(StageConfig, {**stage_dict(stage), **plain,
                                       "settings": list(merge_settings(stage.settings, settings))}, name)
         stages[name] = merged
@@ -424,15 +445,24 @@ def validate(config: PipelineConfig) -> None:
         if not config.stages[name].enabled:
             raise ValueError(f"{name}.enabled = false: the stage {name} cannot be left out (the stages after it "
                              f"build on its model)")
+    for name in active_stages(config):
+        for needed in upstream(name, config):
+            if not config.stages[needed].enabled and not (needed == "pretrain" and base):
+                raise ValueError(f"{needed}.enabled = false: the stage {name} builds on its model; enable it, or "
+                                 f"set {name}.enabled = false too")
     for name, stage in config.stages.items():
         if stage.steps < 1:
             raise ValueError(f"{name}.steps must be >= 1, got {stage.steps}")
-        if name == "sft" and stage.examples < 0:
-            raise ValueError(f"sft.examples must be >= 0 (code worked solutions mixed in; 0: math alone), got "
-                             f"{stage.examples}")
-        if name == "mopd_warmup" and stage.examples < 1:
-            raise ValueError(f"mopd_warmup.examples must be >= 1 (worked solutions per teacher domain), got "
-                             f"{stage.examples}")
+        if name == "sft" and stage.code_examples < 0:
+            raise ValueError(f"sft.code_examples must be >= 0 (code worked solutions mixed in; 0: math alone), got "
+                             f"{stage.code_examples}")
+        for field in ("math_examples", "code_examples") if name == "mopd_warmup" else ():
+            if getattr(stage, field) < 1:
+                raise ValueError(f"mopd_warmup.{field} must be >= 1 (training tasks of that teacher's domain), got "
+                                 f"{getattr(stage, field)}")
+        if name == "mopd_warmup" and stage.teacher_samples < 0:
+            raise ValueError(f"mopd_warmup.teacher_samples must be >= 0 (each teacher's tries per task; 0: the "
+                             f"worked solutions), got {stage.teacher_samples}")
         if stage.enabled:
             check_settings(name, stage, config)
 
@@ -514,15 +544,15 @@ def stage_argv(name: str, config: PipelineConfig, out: Path) -> list[str]:
     if name == "pretrain":
         return ["--preset", pipe.model_preset, *common, *settings]
     if name == "sft":
-        data = str(out / name / DATA_FILE) if stage.examples else "env:math"
+        data = str(out / name / DATA_FILE) if stage.code_examples else "env:math"
         return ["--model", hf("pretrain"), "--data", data, *common, "--set", f"sft.env_levels={levels}", *settings]
     if name in ("rlvr", "math_teacher"):
-        base = "sft" if name == "rlvr" else "rlvr"
+        base = "sft" if name == "rlvr" else math_teacher_base(config)
         return ["--model", hf(base), "--env", "math", *common, "--set", f"grpo.levels={levels}",
                 "--set", f"grpo.seed={1 if name == 'math_teacher' else 0}", *settings]
-    if name == "code_teacher":
-        return ["--model", hf("sft"), "--data", "env:code", *common, "--set", f"sft.env_levels={levels}",
-                *settings]
+    if name in ("math_teacher_sft", "code_teacher"):
+        data = "env:math" if name == "math_teacher_sft" else "env:code"
+        return ["--model", hf("sft"), "--data", data, *common, "--set", f"sft.env_levels={levels}", *settings]
     if name == "code_teacher_rl":
         return ["--model", hf("code_teacher"), "--env", "code", *common, "--set", f"grpo.levels={levels}",
                 *settings]
@@ -531,7 +561,7 @@ def stage_argv(name: str, config: PipelineConfig, out: Path) -> list[str]:
     if name.startswith("mopd_"):
         student = {"mopd_1": "mopd_warmup", "mopd_2": "mopd_1", "mopd_no_warmup": "rlvr"}[name]
         steps = config.stages["mopd_1"].steps if name == "mopd_no_warmup" else stage.steps
-        teachers = f"math={hf('math_teacher')},code={hf(code_teacher(config))}"
+        teachers = ",".join(f"{domain}={hf(teacher)}" for domain, teacher in teacher_stages(config).items())
         return ["--student", hf(student), "--teachers", teachers, "--general", hf("rlvr"), "--out", run_dir,
                 "--steps", str(steps), "--set", f"train.threads={pipe.threads}", "--set", "mopd.warmup_steps=0",
                 "--set", f"mopd.levels={levels}", "--set", "mopd.eval_tasks=0", *settings]
@@ -545,17 +575,29 @@ def stage_argv(name: str, config: PipelineConfig, out: Path) -> list[str]:
     raise AssertionError(name)
 
 
+def math_teacher_base(config: PipelineConfig) -> str:
+    return "math_teacher_sft" if config.stages["math_teacher_sft"].enabled else "rlvr"
+
+
 def code_teacher(config: PipelineConfig) -> str:
     return "code_teacher_rl" if config.stages["code_teacher_rl"].enabled else "code_teacher"
 
 
+def teacher_stages(config: PipelineConfig) -> dict[str, str]:
+    """domain -> the stage whose model is that domain's teacher."""
+    return {MATH_DOMAIN: "math_teacher", CODE_DOMAIN: code_teacher(config)}
+
+
 def upstream(name: str, config: PipelineConfig) -> list[str]:
     """The stages whose models stage `name` reads."""
-    return {"pretrain": [], "sft": ["pretrain"], "rlvr": ["sft"], "math_teacher": ["rlvr"], "code_teacher": ["sft"],
-            "code_teacher_rl": ["code_teacher"], "mopd_warmup": ["rlvr"],
-            "mopd_1": ["mopd_warmup", "math_teacher", code_teacher(config), "rlvr"],
-            "mopd_2": ["mopd_1", "math_teacher", code_teacher(config), "rlvr"],
-            "mopd_no_warmup": ["rlvr", "math_teacher", code_teacher(config)],
+    teachers = list(teacher_stages(config).values())
+    return {"pretrain": [], "sft": ["pretrain"], "rlvr": ["sft"], "math_teacher_sft": ["sft"],
+            "math_teacher": [math_teacher_base(config)], "code_teacher": ["sft"],
+            "code_teacher_rl": ["code_teacher"],
+            "mopd_warmup": ["rlvr", *(teachers if config.stages["mopd_warmup"].teacher_samples else ())],
+            "mopd_1": ["mopd_warmup", *teachers, "rlvr"],
+            "mopd_2": ["mopd_1", *teachers, "rlvr"],
+            "mopd_no_warmup": ["rlvr", *teachers],
             "mtp_boost": ["mopd_2"]}[name]
 
 
@@ -569,7 +611,10 @@ def fingerprints(config: PipelineConfig, out: Path) -> dict[str, str]:
     prints: dict[str, str] = {}
     for name in active_stages(config):
         argv = [arg.replace(str(out), "OUT") for arg in stage_argv(name, config, out)]
-        payload = {"argv": argv, "examples": config.stages[name].examples,
+        # a field added since is left out at its default, so that it does not change the prints of finished stages
+        added = {field: getattr(config.stages[name], field) for field in ("math_examples", "teacher_samples")
+                 if getattr(config.stages[name], field)}
+        payload = {"argv": argv, "examples": config.stages[name].code_examples, **added,  # code_examples' old name
                    "levels": list(config.pipeline.levels),
                    "upstream": [prints[u] for u in upstream(name, config) if u in prints]}
         prints[name] = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
@@ -598,30 +643,39 @@ def _parse_command_args(stage: Stage, argv: list[str]):
 
 @dataclass(frozen=True)
 class DataDraw:
-    """Worked solutions of one environment in a stage's data, and the setting that asks for them (for errors)."""
+    """Training tasks of one environment in a stage's data, and the setting that asks for them (for errors). Each
+    task's conversation ends in its worked solution or, with a `teacher` stage, in the first of that teacher's
+    `samples` answers that the environment scores 1."""
 
     domain: str
     examples: int
     seed: int
     setting: str
+    teacher: str = ""
+    samples: int = 0
 
 
 def data_draws(name: str, config: PipelineConfig) -> list[DataDraw]:
-    """The draws whose worked solutions make the data of stage `name`: SFT's `sft.env_examples` math solutions (the
-    SFT command's default without the setting) and, with `examples`, that many code solutions, the multi-domain SFT
-    of the report; the warmup's `examples` of each teacher domain, drawn with another seed than the teachers' own
-    SFT data. Empty for the other stages, and where SFT reads `env:math` itself."""
+    """The draws that make the data of stage `name`: SFT's `sft.env_examples` math worked solutions (the SFT
+    command's default without the setting) and, with `code_examples`, that many code ones, the multi-domain SFT of
+    the report; the warmup's `math_examples` and `code_examples` tasks, drawn with another seed than the SFT data and
+    answered by that domain's teacher (`teacher_samples` tries each) or by their worked solutions. Empty for the
+    other stages, and where SFT reads `env:math` itself."""
     from hybridtron.post.sft import SFTConfig
 
     stage = config.stages[name]
-    chosen = f"{name}.examples={stage.examples}"
+    code = f"{name}.code_examples={stage.code_examples}"
     if name == "mopd_warmup":
-        return [DataDraw(MATH_DOMAIN, stage.examples, 1, chosen), DataDraw(CODE_DOMAIN, stage.examples, 1, chosen)]
-    if name == "sft" and stage.examples:
+        teachers = teacher_stages(config) if stage.teacher_samples else {}
+        return [DataDraw(domain, examples, 1, setting, teachers.get(domain, ""), stage.teacher_samples)
+                for domain, examples, setting in (
+                    (MATH_DOMAIN, stage.math_examples, f"{name}.math_examples={stage.math_examples}"),
+                    (CODE_DOMAIN, stage.code_examples, code))]
+    if name == "sft" and stage.code_examples:
         math_examples = int(stage.setting("sft.env_examples") or SFTConfig.env_examples)
         seed = int(stage.setting("sft.seed") or SFTConfig.seed)
         return [DataDraw(MATH_DOMAIN, math_examples, seed, f"sft.sft.env_examples={math_examples}"),
-                DataDraw(CODE_DOMAIN, stage.examples, seed, chosen)]
+                DataDraw(CODE_DOMAIN, stage.code_examples, seed, code)]
     return []
 
 
@@ -639,18 +693,49 @@ def check_data_tasks(config: PipelineConfig) -> None:
                     raise ValueError(f"{draw.setting}: {exc}") from None
 
 
-def write_stage_data(name: str, config: PipelineConfig, path: Path) -> int:
+def write_stage_data(name: str, config: PipelineConfig, out: Path, log=None) -> int:
     """The conversations of stage `name` (see `data_draws`), the environments' training splits at the pipeline's
-    levels, as one JSONL file; returns their number."""
+    levels, as `OUT/<name>/stage_data.jsonl` (written whole or not at all); returns their number."""
     from hybridtron.post.envs import get_env, write_jsonl
 
     examples = []
     for draw in data_draws(name, config):
         with get_env(draw.domain, levels=tuple(config.pipeline.levels)) as env:
-            examples += env.sft_examples(draw.examples, seed=draw.seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(path, examples)
+            if not draw.teacher:
+                examples += env.sft_examples(draw.examples, seed=draw.seed)
+                continue
+            answered = teacher_examples(out / draw.teacher / "hf", env, draw, config)
+            if log is not None:
+                log(f"[{name}] {draw.teacher}: {len(answered)} of {draw.examples} {draw.domain} tasks solved in "
+                    f"{draw.samples} tries each")
+            examples += answered
+    path = out / name / DATA_FILE
+    partial = path.with_name(path.name + ".partial")
+    write_jsonl(partial, examples)
+    partial.replace(path)
     return len(examples)
+
+
+def teacher_examples(hf_dir: Path, env, draw: DataDraw, config: PipelineConfig) -> list[dict]:
+    """`draw.examples` training tasks of `env`, each answered by the teacher checkpoint `hf_dir` up to
+    `draw.samples` times at TEACHER_TEMPERATURE, as conversations ending in the first answer the environment scores
+    1 (`teachers.teacher_answers`). These are the teacher's data of the warmup: here the teachers' SFT data is the
+    student's own (the multi-domain SFT), so what the student has not seen of a teacher is its answers."""
+    import torch
+
+    from hybridtron.post.teachers import teacher_answers
+
+    if config.pipeline.threads:
+        torch.set_num_threads(config.pipeline.threads)
+    max_tokens = config.eval.max_tokens if draw.domain == MATH_DOMAIN else config.eval.code_max_tokens
+    try:
+        return teacher_answers(hf_dir, env, env.tasks("train", draw.examples, seed=draw.seed),
+                               temperature=TEACHER_TEMPERATURE, max_tokens=max_tokens, seed=draw.seed,
+                               tries=draw.samples, verified=True, batch_size=config.eval.batch_size)
+    except ValueError as exc:
+        raise ValueError(f"{draw.setting}: the {draw.teacher} stage's model: {exc}, so the warmup has no "
+                         f"{draw.domain} data from it; train that teacher further, or set "
+                         f"mopd_warmup.teacher_samples=0 for the worked solutions") from None
 
 
 def write_boost_prompts(config: PipelineConfig, path: Path) -> None:
@@ -669,7 +754,9 @@ def write_boost_prompts(config: PipelineConfig, path: Path) -> None:
 
 
 def run_stage(name: str, config: PipelineConfig, out: Path, log) -> float:
-    """Run (or continue) the command of stage `name`; returns its wall time in seconds."""
+    """Run (or continue) the command of stage `name`; returns its wall time in seconds, writing its data
+    included."""
+    started = time.perf_counter()
     stage = STAGE_BY_NAME[name]
     run_dir = out / name
     argv = stage_argv(name, config, out) + ["--quiet"]
@@ -678,12 +765,11 @@ def run_stage(name: str, config: PipelineConfig, out: Path, log) -> float:
     if resume:
         argv.append("--resume")
     if data_draws(name, config) and not (run_dir / DATA_FILE).is_file():
-        write_stage_data(name, config, run_dir / DATA_FILE)
+        write_stage_data(name, config, out, log)
     if name == "mtp_boost" and not (run_dir / BOOST_PROMPTS).is_file():
         write_boost_prompts(config, run_dir / BOOST_PROMPTS)
     module, args = _parse_command_args(stage, argv)
     log(f"[{name}] {'resuming' if resume else 'running'}: hybridtron {stage.command} {' '.join(argv)}")
-    started = time.perf_counter()
     code = module.run(args)
     if code:
         raise ValueError(f"stage {name}: hybridtron {stage.command} exited with status {code}")
@@ -857,7 +943,7 @@ def summarize(config: PipelineConfig, out: Path) -> dict:
                      **{k: v for k, v in evaluation.items() if k != "fingerprint"}})
     by_stage = {row["stage"]: row for row in rows}
     metric = {MATH_DOMAIN: "math_pass_at_1", CODE_DOMAIN: "code_pass_rate"}
-    teachers = {MATH_DOMAIN: "math_teacher", CODE_DOMAIN: code_teacher(config)}
+    teachers = teacher_stages(config)
     recoveries = {}
     for name in ("mopd_1", "mopd_2", "mopd_no_warmup"):
         if name in by_stage and "rlvr" in by_stage:

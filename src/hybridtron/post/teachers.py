@@ -14,6 +14,9 @@ The teachers must share the student's tokenizer (they are made from the same bas
 the math_teacher and code_teacher stages of `hybridtron pipeline`): their log-probs are of the student's token ids.
 The log-probs are taken at the rollouts' sampling temperature (1 by default), without the top-k / top-p filters:
 a filtered teacher would give -inf to any token outside its nucleus.
+
+- `teacher_answers`: a teacher's own answers to training tasks, the data of a warmup on the teacher's data (the
+  mopd command's `mopd.warmup_data = "teacher"`, the pipeline's `[mopd_warmup] teacher_samples`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,34 @@ import torch
 
 from hybridtron.post.roles import Role
 from hybridtron.post.rollout import Rollout, RolloutBatch
+
+def teacher_answers(teacher_dir: str | Path, env, tasks, *, temperature: float, max_tokens: int, seed: int,
+                    tries: int = 1, verified: bool = False, top_k: int = 0, top_p: float = 1.0,
+                    enable_thinking: bool | None = None, batch_size: int = 64) -> list[dict]:
+    """Conversations of `tasks` (`env`'s) whose assistant turn the teacher checkpoint `teacher_dir` wrote, sampled
+    at `temperature`: its first try at each task or, `verified`, the first of its `tries` that `env` scores 1
+    (rejection sampling), a task it never solves left out (a ValueError if it solves none). A completion cut at
+    `max_tokens` stands as it is."""
+    from hybridtron.checkpoint import load_pretrained
+    from hybridtron.data.chat import load_chat_tokenizer
+    from hybridtron.post.evaluate import evaluate_env
+
+    tasks = list(tasks)
+    teacher = load_pretrained(teacher_dir, dtype=torch.float32).eval()
+    tokenizer = load_chat_tokenizer(teacher_dir, vocab_size=teacher.config.vocab_size)
+    scored = evaluate_env(teacher, tokenizer, env, tasks * (tries if verified else 1), max_tokens=max_tokens,
+                          batch_size=batch_size, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          enable_thinking=enable_thinking)
+    answers: dict[int, str] = {}
+    for index, (completion, reward) in enumerate(zip(scored.completions, scored.rewards)):
+        if not verified or reward == 1.0:
+            answers.setdefault(index % len(tasks), completion)
+    if not answers:
+        raise ValueError(f"the teacher {teacher_dir} solved none of {len(tasks)} {env.domain} training tasks in "
+                         f"{tries} tries each")
+    return [{"messages": env.prompt_messages(tasks[i]) + [{"role": "assistant", "content": answers[i]}],
+             "domain": env.domain} for i in sorted(answers)]
+
 
 TEACHER_SCORE = "teacher"  # the name of the teacher's per-token log-probs in Rollout.scores
 TEACHER_ROLE = "teachers"
