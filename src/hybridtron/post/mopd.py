@@ -489,8 +489,8 @@ def warmup_examples(config: MOPDRunConfig) -> list[dict]:
                                             batch_size=mopd.eval_batch_size, tries=mopd.warmup_tries,
                                             verified=mopd.warmup_data == "verified")
             except ValueError as exc:
-                raise ValueError(f"mopd.warmup_data=verified: {exc}, so the warmup has no {env.domain} data; "
-                                 f"raise mopd.warmup_tries, or use warmup_data=teacher or env") from None
+                raise ValueError(f"mopd.warmup_data={mopd.warmup_data}: {exc}, so the warmup has no {env.domain} "
+                                 f"data; raise mopd.warmup_tries, or use warmup_data=teacher or env") from None
         return examples
 
 

@@ -42,6 +42,8 @@ def teacher_answers(teacher_dir: str | Path, env, tasks, *, temperature: float, 
     from hybridtron.post.evaluate import evaluate_env
 
     tasks = list(tasks)
+    if not tasks:
+        return []
     teacher = load_pretrained(teacher_dir, dtype=torch.float32).eval()
     tokenizer = load_chat_tokenizer(teacher_dir, vocab_size=teacher.config.vocab_size)
     scored = evaluate_env(teacher, tokenizer, env, tasks * (tries if verified else 1), max_tokens=max_tokens,
