@@ -8,7 +8,7 @@ import torch
 from hybridtron.post.losses import (
     GRPOLossConfig, MOPDLossConfig, clipped_policy_loss, group_advantages, grpo_loss, icepop_mask,
     importance_weights, k3_kl, masked_mean, mismatch_metrics, mopd_loss, policy_ratio, rollout_correction,
-    sequence_geometric_mean, sequence_mean, tis_weights, token_entropy, token_mean,
+    sequence_geometric_mean, sequence_mean, tis_weights, token_entropy, token_mean, topk_reverse_kl,
 )
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
@@ -360,6 +360,81 @@ def test_mopd_advantage_stops_the_gradient_and_is_reverse_kl_policy_gradient():
     torch.testing.assert_close(logp.grad, -(teacher.detach() - prox) * mask / 6, **EXACT)
 
 
+def _log(*probs):
+    return torch.tensor(probs, dtype=torch.float64).log().float()
+
+
+def test_topk_reverse_kl_by_hand():
+    """Student p = (0.5, 0.3, 0.2), teacher q = (0.6, 0.2, 0.2) over a 3-token vocabulary, the teacher's top K
+    tokens first: K = 1 compares (0.5, rest 0.5) with (0.6, rest 0.4); K = 2 compares (0.5, 0.3, rest 0.2) with
+    (0.6, 0.2, rest 0.2), whose rest term is 0; K = 3 is the whole vocabulary, the full KL."""
+    p, q = _log(0.5, 0.3, 0.2), _log(0.6, 0.2, 0.2)
+    expected = {1: 0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4),      # 0.5 ln(25/24) = 0.02041
+                2: 0.5 * math.log(0.5 / 0.6) + 0.3 * math.log(0.3 / 0.2),      # 0.03048
+                3: 0.5 * math.log(0.5 / 0.6) + 0.3 * math.log(0.3 / 0.2)}      # the last token agrees: the same
+    for k, value in expected.items():
+        kl = topk_reverse_kl(p[:k].view(1, 1, k), q[:k].view(1, 1, k))
+        assert kl.shape == (1, 1) and kl.item() == pytest.approx(value, abs=1e-6), k
+    full = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=p),
+                                             torch.distributions.Categorical(logits=q))
+    assert topk_reverse_kl(p.view(1, 1, 3), q.view(1, 1, 3)).item() == pytest.approx(full.item(), abs=1e-6)
+    # coarsening never raises the KL: K = 1 <= K = 2 <= the full KL; equal distributions give 0
+    assert expected[1] < expected[2] <= full.item() + 1e-6
+    assert topk_reverse_kl(q.view(1, 1, 3), q.view(1, 1, 3)).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_topk_reverse_kl_gradient_is_the_full_kls_when_k_is_the_vocabulary():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7, requires_grad=True)
+    teacher = torch.log_softmax(torch.randn(2, 3, 7), -1)
+    kl = topk_reverse_kl(torch.log_softmax(logits, -1), teacher)
+    (grad,) = torch.autograd.grad(kl.sum(), logits)
+    full = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=logits),
+                                             torch.distributions.Categorical(logits=teacher))
+    (expected,) = torch.autograd.grad(full.sum(), logits)
+    torch.testing.assert_close(kl, full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5)
+    # top-2 of the teacher: a finite gradient on the top tokens and on the rest (through the rest bin's mass)
+    order = teacher.argsort(-1, descending=True)[..., :2]
+    kl2 = topk_reverse_kl(torch.log_softmax(logits, -1).gather(-1, order), teacher.gather(-1, order))
+    (grad2,) = torch.autograd.grad(kl2.sum(), logits)
+    assert torch.isfinite(grad2).all() and (grad2 != 0).all() and (kl2 <= full + 1e-6).all()
+
+
+def test_mopd_topk_loss_by_hand():
+    """Two positions of one sequence; the per-token loss is c_t * the top-1 KL, with no ratio and no clip."""
+    student = torch.stack([_log(0.5, 0.5), _log(0.6, 0.4)])[None, :, :1]       # [1, 2, K=1]: p of the top token
+    teacher = torch.stack([_log(0.6, 0.4), _log(0.6, 0.4)])[None, :, :1]
+    kl = [0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4), 0.0]          # the second position agrees
+    logp = t([[-1.0, -2.0]])
+    sampled_teacher = t([[-1.5, -2.0]])
+    mask = torch.ones(1, 2)
+    config = MOPDLossConfig(kl_top_k=1, correction="none")
+    loss, metrics = mopd_loss(logp, logp, sampled_teacher, mask, 2, config, student_topk_logp=student,
+                              teacher_topk_logp=teacher)
+    assert loss.item() == pytest.approx(sum(kl) / 2, abs=1e-7)
+    assert metrics["topk_reverse_kl"].item() == pytest.approx(sum(kl) / 2, abs=1e-7)
+    assert metrics["reverse_kl"].item() == pytest.approx(0.25)     # the sampled estimate, logged beside it
+    assert "clip_fraction" not in metrics
+    # behaviour 3x less likely on the first token: IcePop [0.2, 5] weighs it by c = 3; [0.2, 2] drops it
+    behav = logp - t([[LN3, 0.0]])
+    loss, _ = mopd_loss(logp, logp, sampled_teacher, mask, 2, MOPDLossConfig(kl_top_k=1), behav_logp=behav,
+                        student_topk_logp=student, teacher_topk_logp=teacher)
+    assert loss.item() == pytest.approx(3 * kl[0] / 2, rel=1e-5)
+    loss, metrics = mopd_loss(logp, logp, sampled_teacher, mask, 2, MOPDLossConfig(kl_top_k=1, icepop_high=2.0),
+                              behav_logp=behav, student_topk_logp=student, teacher_topk_logp=teacher)
+    assert loss.item() == pytest.approx(0.0, abs=1e-7) and metrics["is_out_of_bounds_share"].item() == 0.5
+    with pytest.raises(ValueError, match=r"kl_top_k=1 needs student_topk_logp and teacher_topk_logp"):
+        mopd_loss(logp, logp, sampled_teacher, mask, 2, config)
+    with pytest.raises(ValueError, match=r"student_topk_logp has shape \(1, 1, 1\); expected \(1, 2\)"):
+        mopd_loss(logp, logp, sampled_teacher, mask, 2, config, student_topk_logp=student[:, :1],
+                  teacher_topk_logp=teacher[:, :1])
+    with pytest.raises(ValueError, match=r"must both be \[batch, tokens, K\]"):
+        topk_reverse_kl(student, teacher[..., 0])
+    with pytest.raises(ValueError, match="kl_top_k must be >= 0"):
+        MOPDLossConfig(kl_top_k=-1)
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda l, o, a, m: grpo_loss(l, o, a, m, 4), r"correction='tis' needs the rollout engine's log-probs"),
     (lambda l, o, a, m: grpo_loss(l, o[:, :1], a, m, 4, NO_CORRECTION), r"old_logp has shape \(2, 1\)"),
@@ -398,5 +473,6 @@ def test_config_defaults_are_the_recipes():
     assert (grpo.kl_coef, grpo.entropy_coef, grpo.aggregation) == (0.0, 0.0, "token_mean")
     assert (grpo.correction, grpo.tis_low, grpo.tis_high, grpo.advantage_mode) == ("tis", 0.0, 2.0, "zscore")
     assert (mopd.correction, mopd.icepop_low, mopd.icepop_high, mopd.eps_clip_high) == ("icepop", 0.2, 5.0, 0.28)
+    assert mopd.kl_top_k == 0  # the report's sampled estimator
     with pytest.raises(TypeError):
         MOPDLossConfig(dual_clip=3.0)

@@ -24,7 +24,9 @@ from hybridtron.post.losses import mopd_loss
 from hybridtron.post.mixture import DomainSampler, MixtureEnv, domain_quotas
 from hybridtron.post.mopd import MOPD_TRAIN, MOPDConfig, MOPDObjective, MOPDRunConfig, build_trainer
 from hybridtron.post.rollout import Rollout, RolloutBatch, pack_micro_batches
-from hybridtron.post.teachers import TEACHER_SCORE, TeacherPanel, TeacherScoringRole
+from hybridtron.post.teachers import (
+    TEACHER_SCORE, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGP, TeacherPanel, TeacherScoringRole,
+)
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.monitor.config import MonitorConfig
 
@@ -201,17 +203,27 @@ def test_teacher_scores_are_each_domains_teacher_log_probs(models):
     config = ModelConfig.from_hf(models["student"])
     batch = _rollouts(config, ["alpha", "beta", "alpha", "gamma", "alpha"])
     role = TeacherScoringRole(teachers={"alpha": str(models["alpha"])}, general=str(models["beta"]),
-                              temperature=0.5, batch_size=2)
+                              temperature=0.5, batch_size=2, top_k=5)
     role.step(batch)
     teachers = {name: load_pretrained(models[name], dtype=torch.float32).eval() for name in ("alpha", "beta")}
     for r in batch.rollouts:
         full = torch.tensor([r.prompt_ids + r.completion_ids])
         with torch.no_grad():
             logits = teachers["alpha" if r.domain == "alpha" else "beta"](full[:, :-1], mtp=False).logits
-        logp = torch.log_softmax(logits[0].float() / 0.5, -1)[len(r.prompt_ids) - 1:].gather(
-            -1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+        all_logp = torch.log_softmax(logits[0].float() / 0.5, -1)[len(r.prompt_ids) - 1:]
+        logp = all_logp.gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
         assert torch.allclose(r.scores[TEACHER_SCORE], logp, atol=1e-5), r.domain
+        # the top-5 tokens of each completion position, most likely first, and their log-probs
+        ids, top = r.scores[TEACHER_TOPK_IDS], r.scores[TEACHER_TOPK_LOGP]
+        assert ids.dtype == torch.int32 and ids.shape == top.shape == (len(r.completion_ids), 5)
+        assert torch.allclose(top, all_logp.topk(5, dim=-1).values, atol=1e-5)
+        assert torch.allclose(all_logp.gather(-1, ids.long()), top, atol=1e-5)
     assert batch.stats["teacher_seconds"] > 0
+    # the micro-batch lays them out beside the completion tokens: [B, L, K], zeros on the prompt and the padding
+    (mb,) = pack_micro_batches(batch, 1)
+    mask = mb.completion_mask
+    assert mb.scores[TEACHER_TOPK_LOGP].shape == (*mask.shape, 5) and mb.scores[TEACHER_TOPK_IDS].dtype == torch.int32
+    assert (mb.scores[TEACHER_TOPK_LOGP][~mask] == 0).all() and (mb.scores[TEACHER_TOPK_LOGP][mask] < 0).all()
 
 
 # ---------------------------------------------------------------------------------------------- the objective
@@ -261,6 +273,39 @@ def test_objective_is_the_mopd_loss_with_per_domain_reverse_kl_by_hand(small_con
         assert math.isclose(metrics[f"reverse_kl/{domain}"], float(torch.cat(diff).mean()), rel_tol=1e-5)
     assert math.isclose(metrics["reverse_kl"], float((logp.detach() - teacher)[mask].mean()), rel_tol=1e-5)
     assert metrics["completion_tokens"] == sum(len(r.completion_ids) for r in batch.rollouts)
+
+
+def test_objective_with_kl_top_k_is_the_topk_loss_on_the_learners_logits(small_config):
+    """kl_top_k = 4: the loss is mopd_loss's top-K form on the learner's log-probs (at the sampling temperature) of
+    the teacher's top-4 tokens, over the same mask, c_t and global count; without the teacher's top-K tokens in
+    the micro-batch it is a clear error."""
+    config = small_config(vocab_size=64)
+    model = HybridLM(config)
+    cfg = tiny_mopd(mtp_loss_weight=0.0, kl_top_k=4, temperature=0.5)
+    batch = _scored(config, ["alpha", "beta", "alpha"], seed=5)
+    g = torch.Generator().manual_seed(7)
+    for r in batch.rollouts:
+        teacher_all = torch.log_softmax(torch.randn(len(r.completion_ids), 64, generator=g), -1)
+        top, ids = teacher_all.topk(4, dim=-1)
+        r.scores[TEACHER_TOPK_IDS], r.scores[TEACHER_TOPK_LOGP] = ids.to(torch.int32), top
+    (mb,) = pack_micro_batches(batch, 1)
+    _, metrics, (out,) = _step(model, MOPDObjective(cfg, ["alpha", "beta"], 0), [mb])
+    from hybridtron.post.grpo import sampled_logprobs
+
+    with torch.no_grad():
+        logits = model(mb.input_ids, expert_ids=mb.expert_ids, mtp=False).logits
+    all_logp = torch.log_softmax(logits.float() / 0.5, -1)
+    logp = sampled_logprobs(logits, mb.labels, 0.5)
+    mask = mb.completion_mask
+    expected, _ = mopd_loss(logp, logp, mb.scores[TEACHER_SCORE], mask, int(mask.sum()), cfg.loss_config(),
+                            behav_logp=mb.rollout_logprobs,
+                            student_topk_logp=all_logp.gather(-1, mb.scores[TEACHER_TOPK_IDS].long()),
+                            teacher_topk_logp=mb.scores[TEACHER_TOPK_LOGP])
+    assert math.isclose(float(out.loss.detach()), float(expected), rel_tol=1e-5) and float(expected) != 0
+    assert metrics["topk_reverse_kl"] > 0
+    del mb.scores[TEACHER_TOPK_IDS]
+    with pytest.raises(ValueError, match="mopd.kl_top_k=4, but the teacher-scoring role sent no top-K tokens"):
+        MOPDObjective(cfg, ["alpha", "beta"], 0)(model, mb)
 
 
 def test_objective_gradient_does_not_depend_on_grad_accum(small_config):
@@ -413,6 +458,14 @@ def test_mopd_without_warmup_is_the_ablation(models, tmp_path):
     assert _mopd(models, tmp_path / "run", "--steps", "1", "--set", "mopd.warmup_steps=0",
                  "--set", "mopd.eval_tasks=0") == 0
     assert not (tmp_path / "run" / "warmup").exists() and [line["step"] for line in _lines(tmp_path / "run")] == [1]
+
+
+def test_mopd_command_trains_the_topk_reverse_kl(models, tmp_path):
+    """mopd.kl_top_k reaches the teacher-scoring role: the learner trains on, and logs, the top-K KL."""
+    assert _mopd(models, tmp_path / "run", "--steps", "1", "--set", "mopd.warmup_steps=0",
+                 "--set", "mopd.eval_tasks=0", "--set", "mopd.kl_top_k=8") == 0
+    (line,) = _lines(tmp_path / "run")
+    assert line["topk_reverse_kl"] > 0 and "clip_fraction" not in line
 
 
 def test_mopd_smoke_on_math_and_code_with_teacher_sampled_warmup(models, tmp_path):

@@ -6,7 +6,8 @@ The recipe (the Ultra report's RLVR and MOPD stages, with the choices where mile
   (DAPO clip-higher), optional dual clip for A < 0; optional k3 KL to a frozen reference and entropy bonus (both
   off in the recipe); the rollout engine's log-probs corrected towards the trainer's by TIS or IcePop.
 - MOPD: advantage A_t = sg[log pi_T - log pi_prox] from the prompt's domain teacher, the same clipped ratio against
-  the proximal (trainer's pre-update) policy, the behaviour-to-proximal correction c_t truncated or masked.
+  the proximal (trainer's pre-update) policy, the behaviour-to-proximal correction c_t truncated or masked; or
+  (an option, not the report's) the reverse KL over the teacher's top-K tokens at every position.
 - Aggregation: a sum over valid tokens divided by a count the caller computes over the WHOLE optimizer step (all
   micro-batches, all data-parallel ranks), so that summing the gradients of the micro-batches gives the gradient
   of the whole batch: grad_accum and world size do not change the update.
@@ -98,11 +99,18 @@ class GRPOLossConfig(PolicyLossConfig):
 @dataclass(frozen=True, kw_only=True)
 class MOPDLossConfig(PolicyLossConfig):
     """MOPD: the shared knobs, with the correction defaulting to IcePop masking in [0.2, 5] (the bounds of NeMo-RL's
-    Ultra MOPD recipe)."""
+    Ultra MOPD recipe), and kl_top_k: 0 for the report's sampled reverse KL (a policy gradient on the sampled
+    tokens), K > 0 for the reverse KL over the teacher's top-K tokens of every position (`topk_reverse_kl`)."""
 
     correction: Literal["tis", "icepop", "none"] = "icepop"
     icepop_low: float = 0.2
     icepop_high: float = 5.0
+    kl_top_k: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kl_top_k < 0:
+            raise ValueError(f"kl_top_k must be >= 0 (0 = the sampled estimator), got {self.kl_top_k!r}")
 
 
 def _check_choice(name: str, value, choices: tuple[str, ...]):
@@ -317,13 +325,21 @@ def _check_shapes(reference_name: str, reference: Tensor, **others: Tensor | Non
 def _corrected_policy_loss(logp, old_logp, advantages, mask, rollout_logp, config: PolicyLossConfig,
                            dual_clip: float | None, rollout_name: str) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token clipped loss times the rollout correction, and its metrics; shared by GRPO and MOPD."""
-    if config.correction != "none" and rollout_logp is None:
-        raise ValueError(f"correction={config.correction!r} needs the rollout engine's log-probs ({rollout_name}); "
-                         "pass them, or set correction='none'")
     loss, was_clipped = clipped_policy_loss(logp, old_logp, advantages, config.eps_clip, config.eps_clip_high,
                                             dual_clip)
     metrics = {"clip_fraction": masked_mean(was_clipped.float(), mask),
                "ratio_mean": masked_mean(policy_ratio(logp, old_logp), mask)}
+    loss, correction_metrics = _rollout_corrected(loss, old_logp, mask, rollout_logp, config, rollout_name)
+    return loss, {**metrics, **correction_metrics}
+
+
+def _rollout_corrected(loss, old_logp, mask, rollout_logp, config: PolicyLossConfig,
+                       rollout_name: str) -> tuple[Tensor, dict[str, Tensor]]:
+    """A per-token loss times the rollout correction c_t of the sampled tokens, and the mismatch metrics."""
+    if config.correction != "none" and rollout_logp is None:
+        raise ValueError(f"correction={config.correction!r} needs the rollout engine's log-probs ({rollout_name}); "
+                         "pass them, or set correction='none'")
+    metrics = {}
     if rollout_logp is not None:
         out_of_bounds = None
         if config.correction != "none":
@@ -387,9 +403,35 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     return loss, metrics
 
 
+def topk_reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
+    """KL(student || teacher) of each position [B, T], between the two next-token distributions coarsened to K + 1
+    outcomes: the teacher's top-K tokens and one bin for the rest of the vocabulary. student_logp, teacher_logp
+    [B, T, K]: each model's full-vocabulary log-probs of those K tokens (the student's with grad).
+
+        KL = sum_k p_k (log p_k - log q_k) + p_rest (log p_rest - log q_rest),   p_rest = 1 - sum_k p_k
+
+    Merging outcomes cannot raise a KL, so this is a lower bound of the full reverse KL, equal to it when the K
+    tokens are the whole vocabulary, and 0 exactly when the student gives each of the teacher's K tokens the
+    teacher's probability. Without the rest bin (the K probabilities renormalised, as some top-K distillers do) a
+    student that moved mass out of the teacher's top K would not be penalised. fp32; a rest mass that rounds to
+    <= 0 is floored at 1e-30 (its term is then ~0, with no NaN gradient)."""
+    if student_logp.ndim != 3 or student_logp.shape != teacher_logp.shape:
+        raise ValueError(f"student_logp and teacher_logp must both be [batch, tokens, K]; got "
+                         f"{tuple(student_logp.shape)} and {tuple(teacher_logp.shape)}")
+    student_logp, teacher_logp = student_logp.float(), teacher_logp.detach().float()
+
+    def log_rest(logp_K):  # log(1 - sum_k exp(logp_k)), stable as the K tokens' mass nears 1
+        return torch.log((-torch.expm1(torch.logsumexp(logp_K, dim=-1).clamp(max=0.0))).clamp(min=1e-30))
+
+    student_rest, teacher_rest = log_rest(student_logp), log_rest(teacher_logp)
+    top = (student_logp.exp() * (student_logp - teacher_logp)).sum(dim=-1)
+    return top + student_rest.exp() * (student_rest - teacher_rest)
+
+
 def mopd_loss(logp: Tensor, prox_logp: Tensor, teacher_logp: Tensor, mask: Tensor,
               global_count: int | float | Tensor, config: MOPDLossConfig = MOPDLossConfig(), *,
-              behav_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+              behav_logp: Tensor | None = None, student_topk_logp: Tensor | None = None,
+              teacher_topk_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The MOPD objective of one micro-batch (its asynchronous form, see the module docstring): (loss, metrics).
 
     A_t = sg[log pi_T(y_t) - log pi_prox(y_t)], r_t = pi_theta / pi_prox, c_t = sg[pi_prox / pi_behav] truncated
@@ -406,14 +448,34 @@ def mopd_loss(logp: Tensor, prox_logp: Tensor, teacher_logp: Tensor, mask: Tenso
     proximal policy (decoupled PPO, Hilton et al. 2022), with PPO's clip and the behaviour correction, so that
     rollouts one step stale still train correctly.
 
-    Metrics: clip_fraction, ratio_mean, is_mismatch and is_out_of_bounds_share (with behav_logp), and reverse_kl = mean(log pi_prox - log pi_T) over valid tokens, the sampled
-    estimate of KL(student || teacher) (log it per domain with `masked_mean` on the domain's tokens).
+    With `config.kl_top_k` = K > 0 the per-token loss is instead c_t * `topk_reverse_kl` of the student's and the
+    teacher's log-probs of the teacher's top-K tokens at each position ([B, T, K]: student_topk_logp with grad,
+    teacher_topk_logp), and its gradient the exact one of that KL at the student's sampled states: on-policy
+    distillation as GKD has it (Agarwal et al. 2024, reverse KL on student samples), where the report trains the
+    sampled estimate (one token of the vocabulary per position). There is no ratio and no clip (the loss is not a
+    policy gradient of the sampled token); c_t still weights (or IcePop drops) each position.
+
+    Metrics: clip_fraction and ratio_mean (sampled form), topk_reverse_kl (top-K form), is_mismatch and
+    is_out_of_bounds_share (with behav_logp), and reverse_kl = mean(log pi_prox - log pi_T) over valid tokens, the
+    sampled estimate of KL(student || teacher) in either form (log it per domain with `masked_mean` on the
+    domain's tokens).
     """
     _check_shapes("logp", logp, prox_logp=prox_logp, teacher_logp=teacher_logp, mask=mask, behav_logp=behav_logp)
     logp, prox_logp, teacher_logp = logp.float(), prox_logp.detach().float(), teacher_logp.detach().float()
     behav_logp = None if behav_logp is None else behav_logp.detach().float()
     advantages = teacher_logp - prox_logp
-    per_token, metrics = _corrected_policy_loss(logp, prox_logp, advantages, mask, behav_logp, config, None,
-                                                "behav_logp")
+    if config.kl_top_k:
+        if student_topk_logp is None or teacher_topk_logp is None:
+            raise ValueError(f"kl_top_k={config.kl_top_k} needs student_topk_logp and teacher_topk_logp [batch, "
+                             "tokens, K]: both models' log-probs of the teacher's top-K tokens")
+        if student_topk_logp.shape[:2] != logp.shape:
+            raise ValueError(f"student_topk_logp has shape {tuple(student_topk_logp.shape)}; expected "
+                             f"{tuple(logp.shape)} + (K,) like logp")
+        kl = topk_reverse_kl(student_topk_logp, teacher_topk_logp)
+        per_token, metrics = _rollout_corrected(kl, prox_logp, mask, behav_logp, config, "behav_logp")
+        metrics["topk_reverse_kl"] = masked_mean(kl, mask)
+    else:
+        per_token, metrics = _corrected_policy_loss(logp, prox_logp, advantages, mask, behav_logp, config, None,
+                                                    "behav_logp")
     metrics["reverse_kl"] = masked_mean(-advantages, mask)
     return _aggregate(per_token, mask, global_count, config.aggregation), metrics

@@ -25,6 +25,9 @@ One run:
    over the step's global count of completion tokens, as GRPO. One policy step per batch, as GRPO: pi_prox is the
    learner at the start of the step (r = 1, the clip inactive), and what pi_behav differs by is the engine's
    numerics and, asynchronously, one step of staleness. The MTP loss stays on (`mopd.mtp_loss_weight`).
+   `mopd.kl_top_k` = K > 0 (not the report's) trains instead the reverse KL over the teacher's K most likely
+   tokens at every position of the student's samples (`topk_reverse_kl`: K + 1 outcomes, the rest of the
+   vocabulary one), a dense signal where the sampled estimate sees one token a position.
 
 The three roles run on the `RolePipeline` of hybridtron.post.roles, with GRPO's learner end
 (`hybridtron.post.rollout.RolloutBatches`): synchronous by default (`mopd.async_rollouts = false`: inline, batch
@@ -35,10 +38,10 @@ resource of the machine each actor must run on: see hybridtron.post.roles). The 
 rollout role before every request; the teachers are frozen.
 
 Logged every step: loss, policy_loss, mtp_loss_<d>, reverse_kl (the sampled KL(student || teacher)) overall and
-per domain (`reverse_kl/<domain>`: each domain against its own teacher), teacher_logp, student_logp, entropy,
-clip_fraction, is_mismatch, is_out_of_bounds_share, reward_mean and response_length per domain, rollout tokens/s,
-MTP acceptance, policy_staleness; held-out greedy pass@1 per domain (`pass_at_1/<domain>`, and their mean) at step
-0, every `mopd.eval_every` steps and at the end.
+per domain (`reverse_kl/<domain>`: each domain against its own teacher), topk_reverse_kl (with kl_top_k),
+teacher_logp, student_logp, entropy, clip_fraction, is_mismatch, is_out_of_bounds_share, reward_mean and
+response_length per domain, rollout tokens/s, MTP acceptance, policy_staleness; held-out greedy pass@1 per domain
+(`pass_at_1/<domain>`, and their mean) at step 0, every `mopd.eval_every` steps and at the end.
 
 The run directory (the rules of every training command: hybridtron.train.run):
 
@@ -119,6 +122,7 @@ class MOPDConfig:
     icepop_low: float = 0.2  # IcePop: tokens with c outside [icepop_low, icepop_high] dropped (NeMo-RL's Ultra MOPD)
     icepop_high: float = 5.0
     aggregation: str = "token_mean"  # token_mean, or sequence_mean
+    kl_top_k: int = 0  # 0: the sampled reverse KL (the report's); K: the reverse KL over the teacher's top-K tokens
     mtp_loss_weight: float = 0.1  # MTP CE on the completions, so the drafter follows the student (0 = off)
     # warmup: a light SFT on each domain's data before MOPD (0 = the ablation without it)
     warmup_steps: int = 20  # SFT steps (the run's first phase, in out/warmup)
@@ -347,8 +351,8 @@ class MOPDObjective(RolloutObjective):
 
     Metrics, each the step's value: loss, policy_loss, mtp_loss_<d>; over the completion tokens: reverse_kl (mean
     of log pi_student - log pi_teacher on the student's samples), reverse_kl/<domain>, teacher_logp,
-    student_logp, entropy, clip_fraction, ratio_mean, is_mismatch, is_out_of_bounds_share; completion_tokens; and
-    the rollout statistics of the batch."""
+    student_logp, entropy, clip_fraction, ratio_mean (or topk_reverse_kl with kl_top_k), is_mismatch,
+    is_out_of_bounds_share; completion_tokens; and the rollout statistics of the batch."""
 
     headline = ("reverse_kl", "rkl")
 
@@ -375,21 +379,29 @@ class MOPDObjective(RolloutObjective):
         from hybridtron.post.grpo import sampled_logprobs
         from hybridtron.post.losses import masked_mean, mopd_loss, token_entropy
         from hybridtron.post.sft import sft_loss
-        from hybridtron.post.teachers import TEACHER_SCORE
+        from hybridtron.post.teachers import TEACHER_SCORE, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGP
         from hybridtron.post.rollout import rollout_router_counts
         from hybridtron.train.objectives import ObjectiveOutput
 
         cfg, loss_cfg = self.config, self.loss_config
         if TEACHER_SCORE not in mb.scores:
             raise ValueError("MOPD micro-batch without teacher log-probs: the teacher-scoring role did not run")
+        if loss_cfg.kl_top_k and TEACHER_TOPK_IDS not in mb.scores:
+            raise ValueError(f"mopd.kl_top_k={loss_cfg.kl_top_k}, but the teacher-scoring role sent no top-K tokens "
+                             "(it was built with top_k=0)")
         out = model(mb.input_ids, expert_ids=mb.expert_ids if cfg.routing_replay else None, mtp=self.mtp_depths > 0)
         logp = sampled_logprobs(out.logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
         mask, teacher = mb.completion_mask, mb.scores[TEACHER_SCORE]
         total_tokens, total_sequences = self.counts[0], self.counts[1]
         divisor = total_sequences if loss_cfg.aggregation == "sequence_mean" else total_tokens
+        topk = {}
+        if loss_cfg.kl_top_k:
+            scaled = out.logits.float() / cfg.temperature
+            student_topk = scaled.gather(-1, mb.scores[TEACHER_TOPK_IDS].long()) - scaled.logsumexp(-1, keepdim=True)
+            topk = dict(student_topk_logp=student_topk, teacher_topk_logp=mb.scores[TEACHER_TOPK_LOGP])
         # one policy step per batch: the proximal policy is the learner before this step's update, i.e. now
         policy_loss, policy_metrics = mopd_loss(logp, logp.detach(), teacher, mask, divisor, loss_cfg,
-                                                behav_logp=mb.rollout_logprobs)
+                                                behav_logp=mb.rollout_logprobs, **topk)
         loss = policy_loss
         depth_counts = self.counts[2 + len(self.domains):]
         mtp_losses = [sft_loss(logits, mtp_targets(mb.labels, depth), depth_counts[depth - 1])
@@ -558,7 +570,7 @@ def role_specs(config: MOPDRunConfig, student_dir: str | Path, backend: str) -> 
                                               threads=threads), resources=placement(mopd.rollout_ray_resource)),
             RoleSpec(TeacherScoringRole, dict(teachers=dict(config.teachers), general=config.general,
                                               temperature=mopd.temperature, batch_size=mopd.teacher_batch_size,
-                                              threads=threads), resources=placement(mopd.teacher_ray_resource))]
+                                              threads=threads, top_k=mopd.kl_top_k), resources=placement(mopd.teacher_ray_resource))]
 
 
 def micro_batch_shape(config: MOPDRunConfig) -> tuple[int, int]:

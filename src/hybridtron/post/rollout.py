@@ -27,7 +27,7 @@ process) while step n trains, with the weights step n started from.
 
 Queue items (what MOPD's teacher-scoring role reads and extends): a `RolloutBatch` holds `Rollout`s, each with
 its prompt and completion ids, the engine's per-token log-probs, the expert ids, reward and advantage, the task's
-domain, and `scores`: per-token log-probs that a scoring role between rollout and learner adds under its own name
+domain, and `scores`: per-token tensors that a scoring role between rollout and learner adds under its own name
 (a teacher's, a frozen reference's), which `pack_micro_batches` lays out beside the rollout's log-probs.
 
 Shapes: B rows (rollouts), L positions (prompt + completion - 1), C completion tokens, K experts per token.
@@ -63,7 +63,7 @@ class Rollout:
     logprobs: float32 [C], the engine's log-probability of each completion token under the distribution it was
       sampled from (temperature, top-k, top-p). expert_ids: {backbone router name: int16 [P + C - 1, K]}, row t
       the experts chosen for the token at position t of prompt + completion, or None without routing replay.
-    scores: per-token log-probs [C] added by scoring roles under their name (e.g. "teacher" in MOPD)."""
+    scores: per-token tensors [C, ...] added by scoring roles under their name (e.g. "teacher" in MOPD: log-probs)."""
 
     task_id: str
     domain: str
@@ -332,7 +332,7 @@ class RolloutMicroBatch:
     IGNORE_INDEX on the prompt and the padding; rollout_logprobs [B, L] beside them (0 elsewhere); advantages [B];
     trained [B]: False for rows of groups whose rewards all agree (they carry no signal and are kept out of the
     policy loss); valid [B, L]: not padding; expert_ids {router: [B, L, K]} (padding: experts 0..K-1); scores
-    {name: [B, L]}; stats: the batch's rollout statistics (the same for every micro-batch of the step); domains:
+    {name: [B, L, ...]}; stats: the batch's rollout statistics (the same for every micro-batch of the step); domains:
     each row's task domain (per-domain metrics: MOPD's reverse KL to each domain's teacher)."""
 
     input_ids: torch.Tensor
@@ -433,8 +433,9 @@ def _pack_rows(rollouts: list[Rollout], trained: list[bool], stats: dict, pad_id
     labels = torch.full((B, L), IGNORE_INDEX, dtype=torch.long)
     rollout_logprobs = torch.zeros(B, L, dtype=torch.float32)
     valid = torch.zeros(B, L, dtype=torch.bool)
-    names = sorted(rollouts[0].scores)
-    scores = {name: torch.zeros(B, L, dtype=torch.float32) for name in names}
+    first = rollouts[0].scores
+    names = sorted(first)
+    scores = {name: torch.zeros(B, L, *first[name].shape[1:], dtype=first[name].dtype) for name in names}
     replay = rollouts[0].expert_ids is not None
     expert_ids = None
     if replay:

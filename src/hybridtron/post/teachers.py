@@ -6,7 +6,9 @@ scores the student's rollouts.
   A domain with neither is an error, raised before anything trains (`check_domains`), never a silent skip.
 - `TeacherScoringRole`: the pipeline stage between rollout and learning (hybridtron.post.roles). For every
   rollout it runs the teacher of the rollout's domain over prompt + completion and stores the teacher's log-prob
-  of each completion token in `Rollout.scores["teacher"]`, the log pi_T(y_t | s_t) of the MOPD advantage. The
+  of each completion token in `Rollout.scores["teacher"]`, the log pi_T(y_t | s_t) of the MOPD advantage, and,
+  for the top-K reverse KL (`top_k` > 0), the teacher's K most likely tokens at each position and their log-probs
+  (`scores["teacher_topk_ids"]`, `scores["teacher_topk_logp"]`: [C, K]; K x 12 bytes a token, not the vocabulary). The
   teachers are frozen (eval mode, no gradients) and take no weights from the learner; rows are batched per
   teacher, sorted by length so that padding stays small (right padding: causal layers never see it).
 
@@ -61,6 +63,7 @@ def teacher_answers(teacher_dir: str | Path, env, tasks, *, temperature: float, 
 
 
 TEACHER_SCORE = "teacher"  # the name of the teacher's per-token log-probs in Rollout.scores
+TEACHER_TOPK_IDS, TEACHER_TOPK_LOGP = "teacher_topk_ids", "teacher_topk_logp"  # its top-K tokens [C, K] and log-probs
 TEACHER_ROLE = "teachers"
 
 
@@ -131,19 +134,20 @@ def check_checkpoint(directory: str, flag: str) -> None:
 
 
 class TeacherScoringRole(Role):
-    """Adds `scores["teacher"]` to every rollout of a batch (see the module docstring). Built from plain values:
-    the panel's `teachers` and `general`, the rollouts' `temperature`, and `batch_size` rows per forward."""
+    """Adds `scores["teacher"]` (and with `top_k` > 0 the teacher's top-K tokens) to every rollout of a batch (see
+    the module docstring). Built from plain values: the panel's `teachers` and `general`, the rollouts'
+    `temperature`, `batch_size` rows per forward, and `top_k`."""
 
     name = TEACHER_ROLE
 
     def __init__(self, *, teachers: dict[str, str], general: str | None, temperature: float = 1.0,
-                 batch_size: int = 16, threads: int = 0):
+                 batch_size: int = 16, threads: int = 0, top_k: int = 0):
         from hybridtron.checkpoint import load_pretrained
 
         if threads:
             torch.set_num_threads(threads)
         self.panel = TeacherPanel(dict(teachers), general)
-        self.temperature, self.batch_size = temperature, batch_size
+        self.temperature, self.batch_size, self.top_k = temperature, batch_size, top_k
         self.models = {directory: load_pretrained(directory, dtype=torch.float32).eval().requires_grad_(False)
                        for directory in self.panel.directories()}
 
@@ -161,7 +165,8 @@ class TeacherScoringRole(Role):
 
     @torch.no_grad()
     def score(self, model, rollouts: list[Rollout]) -> None:
-        """The teacher's log-prob of each completion token, into each rollout's scores (float32 [C])."""
+        """The teacher's log-prob of each completion token, into each rollout's scores (float32 [C]); with top_k, its
+        top-K tokens at each completion position (int32 [C, K]) and their log-probs (float32 [C, K])."""
         from hybridtron.ops.cross_entropy import IGNORE_INDEX
         from hybridtron.post.grpo import sampled_logprobs
 
@@ -176,6 +181,12 @@ class TeacherScoringRole(Role):
             labels[b, P - 1:lengths[b]] = full[P:]
         logits = model(input_ids, mtp=False).logits
         logp = sampled_logprobs(logits, labels, self.temperature)
+        if self.top_k:
+            top_logp, top_ids = torch.log_softmax(logits.float() / self.temperature, dim=-1).topk(
+                min(self.top_k, logits.shape[-1]), dim=-1)
         for b, r in enumerate(rollouts):
             P = len(r.prompt_ids)
             r.scores[TEACHER_SCORE] = logp[b, P - 1:lengths[b]].clone()
+            if self.top_k:
+                r.scores[TEACHER_TOPK_IDS] = top_ids[b, P - 1:lengths[b]].to(torch.int32)
+                r.scores[TEACHER_TOPK_LOGP] = top_logp[b, P - 1:lengths[b]].clone()
