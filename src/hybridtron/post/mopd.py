@@ -570,7 +570,8 @@ def role_specs(config: MOPDRunConfig, student_dir: str | Path, backend: str) -> 
                                               threads=threads), resources=placement(mopd.rollout_ray_resource)),
             RoleSpec(TeacherScoringRole, dict(teachers=dict(config.teachers), general=config.general,
                                               temperature=mopd.temperature, batch_size=mopd.teacher_batch_size,
-                                              threads=threads, top_k=mopd.kl_top_k), resources=placement(mopd.teacher_ray_resource))]
+                                              threads=threads, top_k=mopd.kl_top_k),
+                     resources=placement(mopd.teacher_ray_resource))]
 
 
 def micro_batch_shape(config: MOPDRunConfig) -> tuple[int, int]:
