@@ -302,7 +302,14 @@ def test_objective_with_kl_top_k_is_the_topk_loss_on_the_learners_logits(small_c
                             student_topk_logp=all_logp.gather(-1, mb.scores[TEACHER_TOPK_IDS].long()),
                             teacher_topk_logp=mb.scores[TEACHER_TOPK_LOGP])
     assert math.isclose(float(out.loss.detach()), float(expected), rel_tol=1e-5) and float(expected) != 0
-    assert metrics["topk_reverse_kl"] > 0
+    # the top-K KL per domain: the mean over that domain's completion tokens, each against its own teacher
+    from hybridtron.post.losses import topk_reverse_kl
+
+    kl = topk_reverse_kl(all_logp.gather(-1, mb.scores[TEACHER_TOPK_IDS].long()), mb.scores[TEACHER_TOPK_LOGP])
+    for domain in ("alpha", "beta"):
+        rows = torch.tensor([d == domain for d in mb.domains]).unsqueeze(1) & mask
+        assert math.isclose(metrics[f"topk_reverse_kl/{domain}"], float(kl[rows].mean()), rel_tol=1e-5)
+    assert math.isclose(metrics["topk_reverse_kl"], float(kl[mask].mean()), rel_tol=1e-5)
     del mb.scores[TEACHER_TOPK_IDS]
     with pytest.raises(ValueError, match="mopd.kl_top_k=4, but the teacher-scoring role sent no top-K tokens"):
         MOPDObjective(cfg, ["alpha", "beta"], 0)(model, mb)

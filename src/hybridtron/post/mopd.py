@@ -38,10 +38,10 @@ resource of the machine each actor must run on: see hybridtron.post.roles). The 
 rollout role before every request; the teachers are frozen.
 
 Logged every step: loss, policy_loss, mtp_loss_<d>, reverse_kl (the sampled KL(student || teacher)) overall and
-per domain (`reverse_kl/<domain>`: each domain against its own teacher), topk_reverse_kl (with kl_top_k),
-teacher_logp, student_logp, entropy, clip_fraction, is_mismatch, is_out_of_bounds_share, reward_mean and
-response_length per domain, rollout tokens/s, MTP acceptance, policy_staleness; held-out greedy pass@1 per domain
-(`pass_at_1/<domain>`, and their mean) at step 0, every `mopd.eval_every` steps and at the end.
+per domain (`reverse_kl/<domain>`: each domain against its own teacher), with kl_top_k topk_reverse_kl overall and
+per domain, teacher_logp, student_logp, entropy, clip_fraction, is_mismatch, is_out_of_bounds_share, reward_mean
+and response_length per domain, rollout tokens/s, MTP acceptance, policy_staleness; held-out greedy pass@1 per
+domain (`pass_at_1/<domain>`, and their mean) at step 0, every `mopd.eval_every` steps and at the end.
 
 The run directory (the rules of every training command: hybridtron.train.run):
 
@@ -351,8 +351,9 @@ class MOPDObjective(RolloutObjective):
 
     Metrics, each the step's value: loss, policy_loss, mtp_loss_<d>; over the completion tokens: reverse_kl (mean
     of log pi_student - log pi_teacher on the student's samples), reverse_kl/<domain>, teacher_logp,
-    student_logp, entropy, clip_fraction, ratio_mean (or topk_reverse_kl with kl_top_k), is_mismatch,
-    is_out_of_bounds_share; completion_tokens; and the rollout statistics of the batch."""
+    student_logp, entropy, clip_fraction, ratio_mean (or, with kl_top_k, topk_reverse_kl and its per-domain
+    topk_reverse_kl/<domain>), is_mismatch, is_out_of_bounds_share; completion_tokens; and the rollout statistics of
+    the batch."""
 
     headline = ("reverse_kl", "rkl")
 
@@ -377,7 +378,7 @@ class MOPDObjective(RolloutObjective):
 
         from hybridtron.model.lm import mtp_targets
         from hybridtron.post.grpo import sampled_logprobs
-        from hybridtron.post.losses import masked_mean, mopd_loss, token_entropy
+        from hybridtron.post.losses import masked_mean, mopd_loss, token_entropy, topk_reverse_kl
         from hybridtron.post.sft import sft_loss
         from hybridtron.post.teachers import TEACHER_SCORE, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGP
         from hybridtron.post.rollout import rollout_router_counts
@@ -418,13 +419,17 @@ class MOPDObjective(RolloutObjective):
                    **{key: value.float() * share * scale for key, value in policy_metrics.items()},
                    **{key: masked_mean(value, mask) * share * scale for key, value in per_token.items()},
                    "completion_tokens": torch.tensor(total_tokens / self.data_ranks, dtype=torch.float32)}
-        reverse_kl = logp.detach() - teacher.float()
+        per_domain = {"reverse_kl": logp.detach() - teacher.float()}
+        if topk:
+            with torch.no_grad():
+                per_domain["topk_reverse_kl"] = topk_reverse_kl(topk["student_topk_logp"], topk["teacher_topk_logp"])
         for index, domain in enumerate(self.domains):
             domain_mask = mask & self._rows_of(mb, domain).unsqueeze(1)
             domain_tokens = self.counts[2 + index]
-            value = torch.where(domain_mask, reverse_kl, 0.0).sum() / domain_tokens if domain_tokens else \
-                torch.zeros(())
-            metrics[f"reverse_kl/{domain}"] = value * scale
+            for key, per_token in per_domain.items():
+                value = torch.where(domain_mask, per_token, 0.0).sum() / domain_tokens if domain_tokens else \
+                    torch.zeros(())
+                metrics[f"{key}/{domain}"] = value * scale
         metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
         return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), rollout_router_counts(model, out, mb))
 
