@@ -8,7 +8,7 @@ scores the student's rollouts.
   rollout it runs the teacher of the rollout's domain over prompt + completion and stores the teacher's log-prob
   of each completion token in `Rollout.scores["teacher"]`, the log pi_T(y_t | s_t) of the MOPD advantage, and,
   for the top-K reverse KL (`top_k` > 0), the teacher's K most likely tokens at each position and their log-probs
-  (`scores["teacher_topk_ids"]`, `scores["teacher_topk_logp"]`: [C, K]; K x 12 bytes a token, not the vocabulary). The
+  (`scores["teacher_topk_ids"]`, `scores["teacher_topk_logp"]`: [C, K]; 8 bytes x K a token, not the vocabulary). The
   teachers are frozen (eval mode, no gradients) and take no weights from the learner; rows are batched per
   teacher, sorted by length so that padding stays small (right padding: causal layers never see it).
 
