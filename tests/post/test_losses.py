@@ -402,7 +402,8 @@ def test_topk_reverse_kl_gradient_is_the_full_kls_when_k_is_the_vocabulary():
 
 
 def test_mopd_topk_loss_by_hand():
-    """Two positions of one sequence; the per-token loss is c_t * the top-1 KL, with no ratio and no clip."""
+    """Two positions of one sequence; the per-token loss is c_t * the top-1 KL, with no ratio and no clip, and the
+    gradient reaches the student's top-K log-probs through it."""
     student = torch.stack([_log(0.5, 0.5), _log(0.6, 0.4)])[None, :, :1]       # [1, 2, K=1]: p of the top token
     teacher = torch.stack([_log(0.6, 0.4), _log(0.6, 0.4)])[None, :, :1]
     kl = [0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4), 0.0]          # the second position agrees
@@ -410,25 +411,32 @@ def test_mopd_topk_loss_by_hand():
     sampled_teacher = t([[-1.5, -2.0]])
     mask = torch.ones(1, 2)
     config = MOPDLossConfig(kl_top_k=1, correction="none")
-    loss, metrics = mopd_loss(logp, logp, sampled_teacher, mask, 2, config, student_topk_logp=student,
-                              teacher_topk_logp=teacher)
+    topk_kl = topk_reverse_kl(student, teacher)
+    loss, metrics = mopd_loss(logp, logp, sampled_teacher, mask, 2, config, topk_kl=topk_kl)
     assert loss.item() == pytest.approx(sum(kl) / 2, abs=1e-7)
     assert metrics["topk_reverse_kl"].item() == pytest.approx(sum(kl) / 2, abs=1e-7)
     assert metrics["reverse_kl"].item() == pytest.approx(0.25)     # the sampled estimate, logged beside it
     assert "clip_fraction" not in metrics
+    # d loss / d log p = p (log(p / q) - log((1 - p) / (1 - q))) / 2 at the first position, 0 where they agree; the
+    # sampled token's log-prob gets none
+    leaf, sampled = student.clone().requires_grad_(), logp.clone().requires_grad_()
+    loss, _ = mopd_loss(sampled, logp, sampled_teacher, mask, 2, config, topk_kl=topk_reverse_kl(leaf, teacher))
+    loss.backward()
+    expected = 0.5 * (math.log(0.5 / 0.6) - math.log(0.5 / 0.4)) / 2
+    torch.testing.assert_close(leaf.grad, torch.tensor([[[expected], [0.0]]]), rtol=1e-5, atol=1e-7)
+    assert sampled.grad is None or not sampled.grad.any()
     # behaviour 3x less likely on the first token: IcePop [0.2, 5] weighs it by c = 3; [0.2, 2] drops it
     behav = logp - t([[LN3, 0.0]])
     loss, _ = mopd_loss(logp, logp, sampled_teacher, mask, 2, MOPDLossConfig(kl_top_k=1), behav_logp=behav,
-                        student_topk_logp=student, teacher_topk_logp=teacher)
+                        topk_kl=topk_kl)
     assert loss.item() == pytest.approx(3 * kl[0] / 2, rel=1e-5)
     loss, metrics = mopd_loss(logp, logp, sampled_teacher, mask, 2, MOPDLossConfig(kl_top_k=1, icepop_high=2.0),
-                              behav_logp=behav, student_topk_logp=student, teacher_topk_logp=teacher)
+                              behav_logp=behav, topk_kl=topk_kl)
     assert loss.item() == pytest.approx(0.0, abs=1e-7) and metrics["is_out_of_bounds_share"].item() == 0.5
-    with pytest.raises(ValueError, match=r"kl_top_k=1 needs student_topk_logp and teacher_topk_logp"):
+    with pytest.raises(ValueError, match=r"kl_top_k=1 needs topk_kl \[batch, tokens\]"):
         mopd_loss(logp, logp, sampled_teacher, mask, 2, config)
-    with pytest.raises(ValueError, match=r"student_topk_logp has shape \(1, 1, 1\); expected \(1, 2\)"):
-        mopd_loss(logp, logp, sampled_teacher, mask, 2, config, student_topk_logp=student[:, :1],
-                  teacher_topk_logp=teacher[:, :1])
+    with pytest.raises(ValueError, match=r"topk_kl has shape \(1, 1\); expected \(1, 2\)"):
+        mopd_loss(logp, logp, sampled_teacher, mask, 2, config, topk_kl=topk_kl[:, :1])
     with pytest.raises(ValueError, match=r"must both be \[batch, tokens, K\]"):
         topk_reverse_kl(student, teacher[..., 0])
     with pytest.raises(ValueError, match="kl_top_k must be >= 0"):

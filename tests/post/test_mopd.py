@@ -297,15 +297,13 @@ def test_objective_with_kl_top_k_is_the_topk_loss_on_the_learners_logits(small_c
     all_logp = torch.log_softmax(logits.float() / 0.5, -1)
     logp = sampled_logprobs(logits, mb.labels, 0.5)
     mask = mb.completion_mask
-    expected, _ = mopd_loss(logp, logp, mb.scores[TEACHER_SCORE], mask, int(mask.sum()), cfg.loss_config(),
-                            behav_logp=mb.rollout_logprobs,
-                            student_topk_logp=all_logp.gather(-1, mb.scores[TEACHER_TOPK_IDS].long()),
-                            teacher_topk_logp=mb.scores[TEACHER_TOPK_LOGP])
-    assert math.isclose(float(out.loss.detach()), float(expected), rel_tol=1e-5) and float(expected) != 0
-    # the top-K KL per domain: the mean over that domain's completion tokens, each against its own teacher
     from hybridtron.post.losses import topk_reverse_kl
 
     kl = topk_reverse_kl(all_logp.gather(-1, mb.scores[TEACHER_TOPK_IDS].long()), mb.scores[TEACHER_TOPK_LOGP])
+    expected, _ = mopd_loss(logp, logp, mb.scores[TEACHER_SCORE], mask, int(mask.sum()), cfg.loss_config(),
+                            behav_logp=mb.rollout_logprobs, topk_kl=kl)
+    assert math.isclose(float(out.loss.detach()), float(expected), rel_tol=1e-5) and float(expected) != 0
+    # the top-K KL per domain: the mean over that domain's completion tokens, each against its own teacher
     for domain in ("alpha", "beta"):
         rows = torch.tensor([d == domain for d in mb.domains]).unsqueeze(1) & mask
         assert math.isclose(metrics[f"topk_reverse_kl/{domain}"], float(kl[rows].mean()), rel_tol=1e-5)

@@ -430,8 +430,7 @@ def topk_reverse_kl(student_logp: Tensor, teacher_logp: Tensor) -> Tensor:
 
 def mopd_loss(logp: Tensor, prox_logp: Tensor, teacher_logp: Tensor, mask: Tensor,
               global_count: int | float | Tensor, config: MOPDLossConfig = MOPDLossConfig(), *,
-              behav_logp: Tensor | None = None, student_topk_logp: Tensor | None = None,
-              teacher_topk_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+              behav_logp: Tensor | None = None, topk_kl: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The MOPD objective of one micro-batch (its asynchronous form, see the module docstring): (loss, metrics).
 
     A_t = sg[log pi_T(y_t) - log pi_prox(y_t)], r_t = pi_theta / pi_prox, c_t = sg[pi_prox / pi_behav] truncated
@@ -448,32 +447,29 @@ def mopd_loss(logp: Tensor, prox_logp: Tensor, teacher_logp: Tensor, mask: Tenso
     proximal policy (decoupled PPO, Hilton et al. 2022), with PPO's clip and the behaviour correction, so that
     rollouts one step stale still train correctly.
 
-    With `config.kl_top_k` = K > 0 the per-token loss is instead c_t * `topk_reverse_kl` of the student's and the
-    teacher's log-probs of the teacher's top-K tokens at each position ([B, T, K]: student_topk_logp with grad,
-    teacher_topk_logp), and its gradient the exact one of that KL at the student's sampled states: on-policy
-    distillation as GKD has it (Agarwal et al. 2024, reverse KL on student samples), where the report trains the
-    sampled estimate (one token of the vocabulary per position). There is no ratio and no clip (the loss is not a
-    policy gradient of the sampled token); c_t still weights (or IcePop drops) each position.
+    With `config.kl_top_k` = K > 0 the per-token loss is instead c_t * topk_kl, where topk_kl [B, T] (with grad) is
+    `topk_reverse_kl` of the student's and the teacher's log-probs of the teacher's top-K tokens at each position;
+    its gradient is the exact one of that KL at the student's sampled states: on-policy distillation as GKD has it
+    (Agarwal et al. 2024, reverse KL on student samples), where the report trains the sampled estimate (one token
+    of the vocabulary per position). There is no ratio and no clip (the loss is not a policy gradient of the
+    sampled token, and `logp` gets no gradient); c_t still weights (or IcePop drops) each position.
 
     Metrics: clip_fraction and ratio_mean (sampled form), topk_reverse_kl (top-K form), is_mismatch and
     is_out_of_bounds_share (with behav_logp), and reverse_kl = mean(log pi_prox - log pi_T) over valid tokens, the
     sampled estimate of KL(student || teacher) in either form (log it per domain with `masked_mean` on the
     domain's tokens).
     """
-    _check_shapes("logp", logp, prox_logp=prox_logp, teacher_logp=teacher_logp, mask=mask, behav_logp=behav_logp)
+    _check_shapes("logp", logp, prox_logp=prox_logp, teacher_logp=teacher_logp, mask=mask, behav_logp=behav_logp,
+                  topk_kl=topk_kl)
     logp, prox_logp, teacher_logp = logp.float(), prox_logp.detach().float(), teacher_logp.detach().float()
     behav_logp = None if behav_logp is None else behav_logp.detach().float()
     advantages = teacher_logp - prox_logp
     if config.kl_top_k:
-        if student_topk_logp is None or teacher_topk_logp is None:
-            raise ValueError(f"kl_top_k={config.kl_top_k} needs student_topk_logp and teacher_topk_logp [batch, "
-                             "tokens, K]: both models' log-probs of the teacher's top-K tokens")
-        if student_topk_logp.shape[:2] != logp.shape:
-            raise ValueError(f"student_topk_logp has shape {tuple(student_topk_logp.shape)}; expected "
-                             f"{tuple(logp.shape)} + (K,) like logp")
-        kl = topk_reverse_kl(student_topk_logp, teacher_topk_logp)
-        per_token, metrics = _rollout_corrected(kl, prox_logp, mask, behav_logp, config, "behav_logp")
-        metrics["topk_reverse_kl"] = masked_mean(kl, mask)
+        if topk_kl is None:
+            raise ValueError(f"kl_top_k={config.kl_top_k} needs topk_kl [batch, tokens]: topk_reverse_kl of both "
+                             "models' log-probs of the teacher's top-K tokens")
+        per_token, metrics = _rollout_corrected(topk_kl.float(), prox_logp, mask, behav_logp, config, "behav_logp")
+        metrics["topk_reverse_kl"] = masked_mean(topk_kl, mask)
     else:
         per_token, metrics = _corrected_policy_loss(logp, prox_logp, advantages, mask, behav_logp, config, None,
                                                     "behav_logp")

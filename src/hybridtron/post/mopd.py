@@ -395,14 +395,14 @@ class MOPDObjective(RolloutObjective):
         mask, teacher = mb.completion_mask, mb.scores[TEACHER_SCORE]
         total_tokens, total_sequences = self.counts[0], self.counts[1]
         divisor = total_sequences if loss_cfg.aggregation == "sequence_mean" else total_tokens
-        topk = {}
+        topk_kl = None
         if loss_cfg.kl_top_k:
             scaled = out.logits.float() / cfg.temperature
             student_topk = scaled.gather(-1, mb.scores[TEACHER_TOPK_IDS].long()) - scaled.logsumexp(-1, keepdim=True)
-            topk = dict(student_topk_logp=student_topk, teacher_topk_logp=mb.scores[TEACHER_TOPK_LOGP])
+            topk_kl = topk_reverse_kl(student_topk, mb.scores[TEACHER_TOPK_LOGP])
         # one policy step per batch: the proximal policy is the learner before this step's update, i.e. now
         policy_loss, policy_metrics = mopd_loss(logp, logp.detach(), teacher, mask, divisor, loss_cfg,
-                                                behav_logp=mb.rollout_logprobs, **topk)
+                                                behav_logp=mb.rollout_logprobs, topk_kl=topk_kl)
         loss = policy_loss
         depth_counts = self.counts[2 + len(self.domains):]
         mtp_losses = [sft_loss(logits, mtp_targets(mb.labels, depth), depth_counts[depth - 1])
@@ -420,9 +420,8 @@ class MOPDObjective(RolloutObjective):
                    **{key: masked_mean(value, mask) * share * scale for key, value in per_token.items()},
                    "completion_tokens": torch.tensor(total_tokens / self.data_ranks, dtype=torch.float32)}
         per_domain = {"reverse_kl": logp.detach() - teacher.float()}
-        if topk:
-            with torch.no_grad():
-                per_domain["topk_reverse_kl"] = topk_reverse_kl(topk["student_topk_logp"], topk["teacher_topk_logp"])
+        if topk_kl is not None:
+            per_domain["topk_reverse_kl"] = topk_kl.detach()
         for index, domain in enumerate(self.domains):
             domain_mask = mask & self._rows_of(mb, domain).unsqueeze(1)
             domain_tokens = self.counts[2 + index]
