@@ -50,8 +50,8 @@ from hybridtron.train.objectives import PretrainObjective
 
 GRAD_ACCUM = 2
 LAYOUTS = {1: ["dp_shard=1"],
-           2: ["dp_shard=2", "tp=2", "ep=2", "pp=2"],
-           4: ["dp_shard=4", "tp=2", "ep=4", "pp=2", "tp=2,ep=2"]}
+           2: ["dp_shard=2", "tp=2", "ep=2", "pp=2", "cp=2"],
+           4: ["dp_shard=4", "tp=2", "ep=4", "pp=2", "tp=2,ep=2", "cp=4", "dp_shard=2,cp=2"]}
 
 
 class Batches:
@@ -121,8 +121,8 @@ def run_layout(parallel, config_name: str, batch: int, seq: int, steps: int) -> 
     batches = Batches(config.vocab_size, batch, seq)
     objective = PretrainObjective()
     if parallel is not None:
-        batches = DataParallelBatches(batches, parallel)
-        objective = PretrainObjective(parallel.sum_over_data, config.mtp_num_depths if config.has_mtp else 0)
+        batches = DataParallelBatches(batches, parallel, config.mtp_depths)
+        objective = PretrainObjective(parallel.sum_over_data, config.mtp_depths)
     timer = Timer()
     train = TrainConfig(steps=steps + 2, grad_accum=GRAD_ACCUM, lr=1e-3, warmup_steps=1)
     Trainer(model, objective, batches, train, None, hooks=[timer], parallel=parallel).train()
@@ -147,7 +147,7 @@ def worker(args) -> None:
     results, parallel = {}, None
     for text in args.layouts.split(";"):
         parallel = init_parallel(parse_layout(text), preset(args.preset), batch_size=args.batch,
-                                 grad_accum=GRAD_ACCUM, seq_len=args.seq)
+                                 grad_accum=GRAD_ACCUM, seq_len=args.seq, context_parallel=True)
         if not results:  # before any layout ran: the links alone
             results["_gloo_bus_gbps"] = gloo_bus_gbps()
         results[text] = run_layout(parallel, args.preset, args.batch, args.seq, args.steps)
@@ -172,7 +172,7 @@ def _seconds(fn) -> float:
 def planner_estimate(config_name: str, world: int, layout_text: str, batch: int, seq: int, gflops: float,
                      bus_gbps: float) -> float | None:
     values = {key: int(value) for key, value in (item.split("=") for item in layout_text.split(","))}
-    others = values.get("tp", 1) * values.get("pp", 1)
+    others = values.get("tp", 1) * values.get("pp", 1) * values.get("cp", 1) * values.get("dp_replicate", 1)
     values["dp_shard"] = values.get("dp_shard", world // others)
     cluster = Cluster(gpus=world, gpus_per_node=world, nvlink_domain=world, hbm_gib=1e6, hbm_gbps=50.0,
                       nvlink_gbps=bus_gbps, ib_gbps=bus_gbps, bf16_tflops=gflops / 1e3, fp8_tflops=gflops / 1e3,
@@ -228,7 +228,7 @@ def main() -> None:
                                    args.seq, gflops, bus.get(world, 1.0))
         step, share = values["step_s"], values["alltoall_share"]
         share_text = "-" if share is None else f"{share:.0%}"
-        planned_text = "-" if planned is None else f"{planned:.4f} | {step / planned:.0f}x"
+        planned_text = "- | -" if planned is None else f"{planned:.4f} | {step / planned:.0f}x"
         print(f"| {world} | {layout} | {step:.3f} | {step / base:.2f}x | {share_text} | {planned_text} |")
 
 

@@ -226,6 +226,11 @@ class ModelConfig:
         return self.num_nextn_predict_layers > 0
 
     @property
+    def mtp_depths(self) -> int:
+        """The MTP depths a forward computes: mtp_num_depths with an MTP block, else none."""
+        return self.mtp_num_depths if self.has_mtp else 0
+
+    @property
     def expert_width(self) -> int:
         """Width the routed experts read and write: the latent size for LatentMoE, else hidden_size."""
         return self.moe_latent_size or self.hidden_size

@@ -96,7 +96,7 @@ def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_back
     batches = SyntheticBatches(config.vocab_size)
     objective = PretrainObjective()
     if parallel is not None:
-        batches = DataParallelBatches(batches, parallel)
+        batches = DataParallelBatches(batches, parallel, config.mtp_depths)
         objective = PretrainObjective(parallel.sum_over_data, config.mtp_num_depths)
     record = Record()
     Trainer(model, objective, batches, train_config, None, hooks=[record], parallel=parallel).train()
@@ -127,7 +127,8 @@ def main(out: str, layouts: list[str]) -> None:
     results = {}
     for text in layouts:
         config, options = parse_layout(text)
-        parallel = init_parallel(config, model_config(), batch_size=BATCH, grad_accum=GRAD_ACCUM, seq_len=SEQ)
+        parallel = init_parallel(config, model_config(), batch_size=BATCH, grad_accum=GRAD_ACCUM, seq_len=SEQ,
+                                 context_parallel=True)
         results[text] = train(parallel, int(options.get("steps", STEPS)), recompute=options.get("recompute", "none"),
                               compile_backend=options.get("compile"), precision=options.get("precision", "fp32"),
                               grad_accum_dtype=options.get("grad_accum_dtype", "fp32"))

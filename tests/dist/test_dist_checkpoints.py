@@ -113,10 +113,26 @@ def test_a_world_4_checkpoint_resumes_at_world_2_and_1_in_other_layouts(runs, tm
 
 
 @pytest.mark.timeout(600)
-def test_a_single_process_checkpoint_resumes_on_two_processes_with_tp(runs, tmp_path):
+def test_a_world_4_checkpoint_resumes_on_two_processes_with_context_parallelism(runs, tmp_path):
+    """PP 2 x TP 2 -> CP 2 x EP 2: each rank half of every sequence's positions, the validation loss included (a
+    mean over both shares' targets)."""
+    root, cache = runs
+    resumed = interrupted_copy(root / "world4", tmp_path / "cp2", keep_step=4)
+    run(2, resumed, cache, "--resume", "--set", "dist.pp=1", "--set", "dist.tp=1", "--set", "dist.cp=2",
+        "--set", "dist.ep=2")
+    got, want = records(resumed), records(root / "single")
+    assert "val_loss" in got[STEPS] and any(key.startswith("mtp_loss_") for key in got[STEPS])
+    assert_same_curve(got, want, range(5, STEPS + 1))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", [["--set", "dist.tp=2"], ["--set", "dist.tp=2", "--set", "dist.etp=2"]],
+                         ids=["tp", "tp_etp"])
+def test_a_single_process_checkpoint_resumes_on_two_processes_with_tp(runs, tmp_path, layout):
+    """Into TP 2, and into TP 2 with each expert's width split over the TP ranks (ETP 2)."""
     root, cache = runs
     resumed = interrupted_copy(root / "single", tmp_path / "tp2", keep_step=4)
-    done = run(2, resumed, cache, "--resume", "--set", "dist.tp=2")
+    done = run(2, resumed, cache, "--resume", *layout)
     assert "resumed from" in done.stderr and "step_000004" in done.stderr
     assert_same_curve(records(resumed), records(root / "single"), range(5, STEPS + 1))
 

@@ -29,8 +29,10 @@ def test_dp_shard_takes_the_rest_of_the_world(small_config):
     (DistConfig(pp=4), 4, 4, "2 micro-batches per DP rank < pp 4 (1F1B needs one per stage)"),
     (DistConfig(dp_shard=3), 3, 4, "8 sequences per iteration do not split over dp 3 x micro-batch 1"),
     (DistConfig(dp_shard=4), 4, 6, "data.batch_size 6 does not split over dp_replicate x dp_shard = 4"),
-    (DistConfig(cp=2), 2, 4, "context parallelism is planned"),
-    (DistConfig(tp=2, etp=2), 2, 4, "expert tensor parallelism is not implemented"),
+    (DistConfig(cp=2), 2, 4, "context parallelism splits pretraining's fixed-length sequences"),
+    (DistConfig(tp=2, etp=2), 2, 4, None),  # valid: each expert's width split over the TP group
+    (DistConfig(etp=2), 2, 4, "etp 2 is neither 1 nor tp 1"),
+    (DistConfig(tp=2, etp=2, ep=4), 4, 4, "ep 4 x etp 2 does not divide dp_shard x cp x tp = 4"),
     (DistConfig(tp=4), 6, 4, "= 4 does not divide the 6 processes"),
 ])
 def test_each_bad_layout_fails_with_its_one_line_reason(small_config, config, world, batch, reason):
@@ -40,6 +42,23 @@ def test_each_bad_layout_fails_with_its_one_line_reason(small_config, config, wo
     with pytest.raises(ValueError) as error:
         check(config, small_config(), world, batch_size=batch)
     assert reason in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("config, world, reason", [
+    (DistConfig(cp=2, ep=2), 2, None),  # valid where the run splits its sequences by position (pretraining)
+    (DistConfig(cp=2, tp=2), 4, "context parallelism is implemented with data and expert parallelism only"),
+    (DistConfig(cp=2, pp=2), 4, "use tp=1 and pp=1 with cp > 1"),
+    (DistConfig(cp=16), 16, "leaves shares of 2 positions; the Mamba conv reads the previous 3"),
+])
+def test_context_parallel_layouts_fail_with_their_reason(small_config, config, world, reason):
+    def run():
+        return check_run_layout(config, small_config(), world, batch_size=4, grad_accum=2, seq_len=32,
+                                context_parallel=True)
+    if reason is None:
+        assert run().cp == 2
+        return
+    with pytest.raises(ValueError, match=reason):
+        run()
 
 
 def test_the_reason_is_the_planners(small_config):

@@ -1,5 +1,7 @@
 """Every parallel layout trains exactly as one process does on the same global batches: FSDP2, TP (with sequence
-parallelism), EP (dropless and capacity-limited), PP (1F1B and interleaved) on 2 processes and DP x TP x EP on 4,
+parallelism), EP (dropless and capacity-limited), PP (1F1B and interleaved), CP, ETP (each expert's width split
+over the TP group) on 2 processes and DP x TP x EP with and without ETP, DP x CP x EP and CP 4 (shares of 8
+positions, so the Mamba conv and scan cross shares every chunk) on 4,
 with activation checkpointing and compile composed in, 10 steps each on gloo: losses and gradient norms equal to
 1e-5 (fp32), token and expert counts equal. NVFP4 emulation composes too: under TP each rank quantizes its own
 weight shard (with its own amax), so the losses are close to one process's, not equal. lm_head's gradient is
@@ -62,6 +64,8 @@ def assert_same_run(steps: list[dict], reference: list[dict], layout: str) -> No
 # recompute and compile compose with the layouts (compiled with aot_eager: the tracing, not the code generation)
 WORLD_2 = ["dp_shard=2", "tp=2", "ep=2", "pp=2", "pp=2,pp_schedule=interleaved-1f1b",
            "tp=2,recompute=full,compile=aot_eager", "ep=2,recompute=selective", "ep=2,ep_capacity_factor=8.0",
+           "cp=2", "cp=2,ep=2,recompute=selective", "cp=2,recompute=full,compile=aot_eager",
+           "tp=2,etp=2", "tp=2,etp=2,recompute=selective",
            "ep=2,ep_capacity_factor=0.5"]
 WORLD_2_NVFP4 = [f"tp=2,precision=nvfp4,steps={NVFP4_STEPS}", f"ep=2,precision=nvfp4,steps={NVFP4_STEPS}"]
 BF16_OUTPUT_REDUCTION = "dp_shard=2,grad_accum_dtype=bf16,steps=3"  # the report's divergence-1 fault, asked for
@@ -91,12 +95,14 @@ def test_layouts_on_two_processes_match_one_process(tmp_path, reference, nvfp4_r
     assert capped[-1]["losses"]["loss"] != reference[-1]["losses"]["loss"]
 
 
-# DP 2 x TP 2 x EP 2 (dp_shard takes the rest); PP 2 x TP 2 on 4 processes: test_dist_checkpoints.py
-WORLD_4 = ["tp=2,ep=2"]
+# DP 2 x TP 2 x EP 2 (dp_shard takes the rest), the same with ETP 2, DP 2 x CP 2 x EP 2, CP 4; PP 2 x TP 2 on 4
+# processes:
+# test_dist_checkpoints.py
+WORLD_4 = ["tp=2,ep=2", "tp=2,etp=2,ep=2", "dp_shard=2,cp=2,ep=2", "cp=4"]
 
 
 @pytest.mark.timeout(300)
-def test_dp_tp_ep_on_four_processes_matches_one_process(tmp_path, reference):
+def test_dp_tp_ep_etp_and_cp_on_four_processes_match_one_process(tmp_path, reference):
     results = run_layouts(tmp_path, 4, WORLD_4, timeout=280)
     for layout in WORLD_4:
         assert_same_run(results[layout], reference, layout)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from hybridtron.dist.context_parallel import shard_sequence
 from hybridtron.dist.expert_parallel import expert_major_order
 from hybridtron.dist.parallelize import canonical_name, parallelize
 from hybridtron.dist.step import global_grad_norms
@@ -120,3 +121,17 @@ def test_compiled_loss_is_the_models_loss(small_config, monkeypatch):
         out = model(ids)
         last_stage = PretrainObjective().loss_from_outputs(model, (out.logits, *out.mtp_logits), labels)
     assert abs(float(last_stage.loss) - float(eager.loss.detach())) <= 1e-6
+
+
+def test_a_context_parallel_share_carries_the_ids_and_labels_that_follow_it():
+    ids = torch.arange(24).reshape(2, 12)
+    labels = ids + 100
+    first = shard_sequence(ids, labels, 0, 3, 2)
+    assert first[0].tolist() == [[0, 1, 2, 3], [12, 13, 14, 15]]
+    assert first[1].tolist() == [[100, 101, 102, 103, 104, 105], [112, 113, 114, 115, 116, 117]]
+    assert first[2].tolist() == [[4, 5], [16, 17]]
+    last = shard_sequence(ids, labels, 2, 3, 2)  # nothing follows the last share
+    assert last[0].tolist() == [[8, 9, 10, 11], [20, 21, 22, 23]]
+    assert last[1].tolist() == [[108, 109, 110, 111], [120, 121, 122, 123]] and last[2].shape == (2, 0)
+    with pytest.raises(ValueError, match="12 positions does not split over cp 5"):
+        shard_sequence(ids, labels, 0, 5, 2)

@@ -87,6 +87,30 @@ def test_mtp_off_and_absent(small_config):
     assert no_mtp(ids, labels).mtp_losses == []
 
 
+def test_following_ids_give_a_window_the_mtp_inputs_of_the_whole_sequence(small_config):
+    """A window of a longer sequence (a context-parallel share) with the ids after it: its backbone and every MTP
+    depth compute what the whole sequence computes at its positions; without them its last positions see padding."""
+    torch.manual_seed(0)
+    config = small_config(mtp_num_depths=2)
+    model = HybridLM(config).eval()
+    ids = torch.randint(3, config.vocab_size, (2, 24))
+    with torch.no_grad():
+        whole = model(ids, logits=False)
+        window = model(ids[:, :16], logits=False, following_ids=ids[:, 16:18])
+        padded = model(ids[:, :16], logits=False)
+    torch.testing.assert_close(window.hidden, whole.hidden[:, :16])
+    assert len(window.mtp_hidden) == 2
+    for got, want in zip(window.mtp_hidden, whole.mtp_hidden):
+        torch.testing.assert_close(got, want[:, :16])
+    assert not torch.allclose(padded.mtp_hidden[0][:, -1], whole.mtp_hidden[0][:, 15])
+    torch.testing.assert_close(padded.mtp_hidden[0][:, :-1], whole.mtp_hidden[0][:, :15])
+    with torch.no_grad():  # the last share: fewer following ids than depths, the rest padded as at an end
+        short = model(ids[:, :16], logits=False, following_ids=ids[:, 16:17])
+    torch.testing.assert_close(short.mtp_hidden[0], whole.mtp_hidden[0][:, :16])
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        model(ids[:, :16], following_ids=torch.full((2, 2), config.vocab_size))
+
+
 def test_gradients_reach_every_parameter(small_config):
     config = small_config()
     model = HybridLM(config)

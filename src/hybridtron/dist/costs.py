@@ -246,7 +246,7 @@ def model_units(config: ModelConfig, recipe: str = "nvfp4", policy: str = "ultra
         per_format = flops.setdefault(unit, {})
         per_format[gemm.format] = per_format.get(gemm.format, 0.0) + gemm.flops_per_token
 
-    depths = config.mtp_num_depths if config.has_mtp else 0
+    depths = config.mtp_depths
     names = ["embedding"] + [f"layer {i}" for i in range(config.num_hidden_layers)] + ["head"]
     names += ["mtp"] if config.has_mtp else []
     units = []

@@ -21,6 +21,14 @@ routed output is zero, the residual and the shared expert still carry the token)
 size, so neither counts nor a host sync are needed; the dropped rows are counted and logged as a share of the
 routed ones (`ep_dropped/<router>`, `dropped_shares`).
 
+Expert tensor parallelism (`dist.etp` = tp, Megatron's ETP): each expert's hidden width is split over the TP group
+as well (up_proj's rows, down_proj's columns), so a rank holds n_experts / ep experts at 1 / etp of their width.
+Each TP rank routed its own sequence shard, so the layer first all-gathers the TP group's tokens, choices and
+routing weights; the EP dispatch above then runs on them among the ranks that share a TP coordinate, every TP rank
+computing its slice of the hidden width for all of them; the outputs, partial sums over the width, are summed over
+the TP group and each rank keeps its own tokens' (`collectives.sum_shares`). relu2 acts element by element on the
+hidden width, so the split is exact.
+
 The expert counts the balancing update reads are the router's choices (`MoE.last_expert_ids`), dropped or not.
 """
 
@@ -34,6 +42,7 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from hybridtron.dist.collectives import gather_shares, sum_shares
 from hybridtron.model.mlp import relu2
 from hybridtron.model.moe import MoE, RoutedExperts
 
@@ -51,19 +60,29 @@ def expert_major_order(counts_RE: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertParallelExperts(nn.Module):
-    """This rank's share of a MoE layer's routed experts, and the token dispatch to every rank's share."""
+    """This rank's share of a MoE layer's routed experts, and the token dispatch to every rank's share.
+    `mesh`: the (ep, etp) mesh of the experts; with etp 1 they are whole, on the ep dimension alone."""
 
-    def __init__(self, experts: RoutedExperts, ep_mesh: DeviceMesh, capacity_factor: float = 0.0):
+    def __init__(self, experts: RoutedExperts, mesh: DeviceMesh, capacity_factor: float = 0.0):
         super().__init__()
-        self.num_experts = experts.up_proj.shape[0]
-        self.ep_mesh, self.ep = ep_mesh, ep_mesh.size()
+        self.num_experts, width = experts.up_proj.shape[:2]
+        self.ep_mesh, self.ep = mesh["ep"], mesh["ep"].size()
+        self.etp = mesh["etp"].size()
+        self.etp_group = mesh["etp"].get_group() if self.etp > 1 else None
         if self.num_experts % self.ep:
             raise ValueError(f"ep {self.ep} does not divide the {self.num_experts} experts")
+        if width % self.etp:
+            raise ValueError(f"etp {self.etp} does not divide the experts' hidden width {width}")
         self.local_experts = self.num_experts // self.ep
         # every rank built the same full model (same seed), so each takes its own slice without communication
-        self.up_proj = nn.Parameter(distribute_tensor(experts.up_proj.data, ep_mesh, [Shard(0)], src_data_rank=None))
-        self.down_proj = nn.Parameter(distribute_tensor(experts.down_proj.data, ep_mesh, [Shard(0)],
-                                                        src_data_rank=None))
+        if self.etp == 1:
+            placements = {"up_proj": (self.ep_mesh, [Shard(0)]), "down_proj": (self.ep_mesh, [Shard(0)])}
+        else:  # up_proj [E, width, in], down_proj [E, out, width]
+            placements = {"up_proj": (mesh, [Shard(0), Shard(1)]), "down_proj": (mesh, [Shard(0), Shard(2)])}
+        for name, (weight_mesh, weight_placements) in placements.items():
+            weight = getattr(experts, name).data
+            setattr(self, name, nn.Parameter(distribute_tensor(weight, weight_mesh, weight_placements,
+                                                               src_data_rank=None)))
         self.grouped_mm = experts.grouped_mm  # the plain or the precision policy's quantized grouped GEMM
         self.capacity_factor = capacity_factor
         # (token, expert) rows this rank dispatched and dropped in training forwards since `take_counts`
@@ -71,7 +90,7 @@ class ExpertParallelExperts(nn.Module):
 
     def extra_repr(self) -> str:
         mode = f"capacity_factor={self.capacity_factor:g}" if self.capacity_factor else "dropless"
-        return f"experts={self.num_experts}, ep={self.ep}, local={self.local_experts}, {mode}"
+        return f"experts={self.num_experts}, ep={self.ep}, etp={self.etp}, local={self.local_experts}, {mode}"
 
     def _local(self, weight: torch.Tensor) -> torch.Tensor:
         return weight.to_local() if isinstance(weight, DTensor) else weight
@@ -81,6 +100,15 @@ class ExpertParallelExperts(nn.Module):
         return self.grouped_mm(hidden, self._local(self.down_proj), group_sizes)
 
     def forward(self, x_SL: torch.Tensor, expert_ids_SK: torch.Tensor, weights_SK: torch.Tensor) -> torch.Tensor:
+        if self.etp == 1:
+            return self._dispatch_and_combine(x_SL, expert_ids_SK, weights_SK)
+        group = self.etp_group  # the TP group's tokens; each rank its slice of the width for all of them
+        partial_SL = self._dispatch_and_combine(gather_shares(x_SL, 0, group), _all_gather_ids(expert_ids_SK, group),
+                                                gather_shares(weights_SK, 0, group))
+        return sum_shares(partial_SL, 0, group)
+
+    def _dispatch_and_combine(self, x_SL: torch.Tensor, expert_ids_SK: torch.Tensor, weights_SK: torch.Tensor
+                              ) -> torch.Tensor:
         top_k = expert_ids_SK.shape[1]
         flat_expert = expert_ids_SK.flatten()
         order = torch.argsort(flat_expert, stable=True)
@@ -147,6 +175,14 @@ class ExpertParallelExperts(nn.Module):
         return values
 
 
+def _all_gather_ids(ids: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(ids) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, ids.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 def dropped_shares(model: nn.Module, group) -> dict[str, float]:
     """`ep_dropped/<router>`: the share of (token, expert) rows each capacity-limited MoE layer dropped since
     the last call, over the ranks of `group` (the pipeline stage's); {} when no layer drops by capacity."""
@@ -162,11 +198,12 @@ def dropped_shares(model: nn.Module, group) -> dict[str, float]:
             for name, (routed, dropped) in zip(layers, counts.tolist())}
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, capacity_factor: float = 0.0) -> list[str]:
-    """Swap every MoE layer's RoutedExperts for its expert-parallel share; returns the swapped module names."""
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, capacity_factor: float = 0.0) -> list[str]:
+    """Swap every MoE layer's RoutedExperts for its expert-parallel share on the (ep, etp) `mesh`; returns the
+    swapped module names."""
     swapped = []
     for name, module in model.named_modules():
         if isinstance(module, MoE) and isinstance(module.experts, RoutedExperts):
-            module.experts = ExpertParallelExperts(module.experts, ep_mesh, capacity_factor)
+            module.experts = ExpertParallelExperts(module.experts, mesh, capacity_factor)
             swapped.append(f"{name}.experts")
     return swapped

@@ -6,8 +6,10 @@ One world mesh, viewed three ways (torchtitan's ParallelDims, with the expert di
              flattened: dp_shard_cp (FSDP of dense weights), data = dp_replicate x dp_shard x cp (loss and metric
              sums), tokens = data x tp (every rank of a stage that holds its own tokens: expert counts),
              dp_shard_cp_tp (FSDP of the weights that act token by token on sequence-parallel activations)
-    experts  (pp, dp_replicate, efsdp, ep)               routed experts: Shard(0) over ep, FSDP over efsdp
-             efsdp x ep = dp_shard x cp x tp, ep innermost (an EP group is ep consecutive ranks)
+    experts  (pp, dp_replicate, efsdp, ep, etp)          routed experts: Shard(0) over ep, their hidden width
+             Shard over etp, FSDP over efsdp; efsdp x ep x etp = dp_shard x cp x tp. etp = 1: ep innermost (an
+             EP group is ep consecutive ranks, and may span TP ranks); etp = tp: the etp dimension is the TP
+             group, and an EP group strides over the ranks that share a TP coordinate
 
 Ranks are pp-major with tp innermost, as the planner places them, so a TP group is tp consecutive ranks.
 `init_parallel` reads torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK); a single process with the default
@@ -32,7 +34,7 @@ from hybridtron.dist.costs import cluster_for
 from hybridtron.dist.plan import Layout, Workload, check_layout
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep")
+EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "etp")
 
 
 def world_from_env() -> tuple[int, int, int]:
@@ -42,11 +44,12 @@ def world_from_env() -> tuple[int, int, int]:
 
 
 def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batch_size: int, grad_accum: int,
-                     seq_len: int) -> Layout:
+                     seq_len: int, context_parallel: bool = False) -> Layout:
     """The layout of `config` on `world` processes, or a ValueError with the reason it cannot run: the planner's
     structural rules first (`plan.check_layout`, the one-line reasons `hybridtron plan --layout` gives), then what
-    training itself needs (whole rows per data-parallel rank, whole sequence shards per TP rank), then what it
-    does not implement yet (context parallelism, expert tensor parallelism)."""
+    training itself needs (whole rows per data-parallel rank, whole sequence shards per TP and per CP rank), then
+    what it does not implement (context parallelism where the run does not take it, `context_parallel=False`,
+    or with TP or PP)."""
     config.validate()
     layout = Layout(**config.degrees(world))
     workload = Workload(seq_len=seq_len, tokens_per_iter=seq_len * batch_size * grad_accum,
@@ -61,11 +64,16 @@ def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batc
         raise ValueError(f"data.seq_len {seq_len} does not split over tp {layout.tp} (sequence parallelism gives "
                          f"each TP rank seq_len / tp positions)")
     if layout.cp > 1:
-        raise ValueError(f"dist.cp={layout.cp}: context parallelism is planned (`hybridtron plan`) but not "
-                         f"implemented in training; use cp=1")
-    if layout.etp != 1:
-        raise ValueError(f"dist.etp={layout.etp}: expert tensor parallelism is not implemented in training; use "
-                         f"etp=1 (each rank holds whole experts; EP may span the TP ranks)")
+        if not context_parallel:
+            raise ValueError(f"dist.cp={layout.cp}: context parallelism splits pretraining's fixed-length sequences; "
+                             f"this command's batches are not split by position; use cp=1")
+        if layout.tp > 1 or layout.pp > 1:
+            raise ValueError(f"dist.cp={layout.cp} with tp={layout.tp}, pp={layout.pp}: context parallelism is "
+                             f"implemented with data and expert parallelism only; use tp=1 and pp=1 with cp > 1")
+        taps = model.conv_kernel - 1
+        if seq_len // layout.cp < max(taps, 1):
+            raise ValueError(f"data.seq_len {seq_len} over cp {layout.cp} leaves shares of {seq_len // layout.cp} "
+                             f"positions; the Mamba conv reads the previous {taps}")
     return layout
 
 
@@ -109,6 +117,12 @@ class Parallel:
         rank hold the same rows, so they are not summed over."""
         if self.layout.dp * self.layout.cp > 1:
             dist.all_reduce(tensor, group=self.group("data"))
+        return tensor
+
+    def sum_over_context(self, tensor: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the cp ranks that share this rank's rows (each holds a share of their positions)."""
+        if self.layout.cp > 1:
+            dist.all_reduce(tensor, group=self.group("cp"))
         return tensor
 
     def broadcast_object(self, obj, src: int = 0):
@@ -161,11 +175,12 @@ def _backend(config: DistConfig, device: torch.device) -> str:
 
 
 def init_parallel(config: DistConfig, model: ModelConfig, *, batch_size: int, grad_accum: int, seq_len: int,
-                  timeout_s: float = 600.0) -> Parallel | None:
+                  timeout_s: float = 600.0, context_parallel: bool = False) -> Parallel | None:
     """Check the layout, then (for more than one process, or any non-trivial layout) start the process group on
     this rank's device and build the meshes. None for a single process with the default layout."""
     world, rank, local_rank = world_from_env()
-    layout = check_run_layout(config, model, world, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
+    layout = check_run_layout(config, model, world, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
+                              context_parallel=context_parallel)
     if world == 1:
         return None
     if torch.cuda.is_available() and config.backend != "gloo":
@@ -203,13 +218,15 @@ def build_meshes(layout: Layout, device_type: str) -> dict[str, DeviceMesh]:
     world_mesh = init_device_mesh(device_type, (layout.world,), mesh_dim_names=("world",))
     L = layout
     dense = world_mesh._unflatten(0, (L.pp, L.dp_replicate, L.dp_shard, L.cp, L.tp), DENSE_DIMS)
-    meshes = {"dense": dense, "tp": dense["tp"], "pp": dense["pp"]}
+    meshes = {"dense": dense, "tp": dense["tp"], "pp": dense["pp"], "cp": dense["cp"]}
     for name, dims in (("dp_shard_cp", ("dp_shard", "cp")), ("dp_shard_cp_tp", ("dp_shard", "cp", "tp")),
                        ("data", ("dp_replicate", "dp_shard", "cp")), ("tokens", ("dp_replicate", "dp_shard", "cp", "tp"))):
         meshes[name] = dense[dims]._flatten(name)
-    efsdp = L.dp_shard * L.cp * L.tp // L.ep
-    meshes["experts"] = world_mesh._unflatten(0, (L.pp, L.dp_replicate, efsdp, L.ep), EXPERT_DIMS)
-    meshes["ep"], meshes["efsdp"] = meshes["experts"]["ep"], meshes["experts"]["efsdp"]
+    efsdp = L.dp_shard * L.cp * L.tp // (L.ep * L.etp)
+    meshes["experts"] = world_mesh._unflatten(0, (L.pp, L.dp_replicate, efsdp, L.ep, L.etp), EXPERT_DIMS)
+    for name in ("ep", "etp", "efsdp"):
+        meshes[name] = meshes["experts"][name]
+    meshes["ep_etp"] = meshes["experts"]["ep", "etp"]
     if L.dp_replicate > 1:  # HSDP: FSDP over a 2-D (replicate, shard) mesh
         meshes["hsdp_dense"] = world_mesh._unflatten(
             0, (L.pp, L.dp_replicate, L.dp_shard * L.cp, L.tp), ("pp", "dp_replicate", "hsdp_shard", "hsdp_tp")

@@ -2,8 +2,11 @@
 
     0. pipeline parallelism (PP > 1): the model cut to this rank's stages (`pipeline.py`), then each stage:
     1. tensor parallelism (TP > 1) with sequence parallelism: DTensor module plans, `tensor_parallel.py`
-    2. expert parallelism (EP > 1, or a capacity factor): the routed experts swapped for their EP share,
-       `expert_parallel.py`
+    2. expert parallelism (EP > 1, ETP > 1, or a capacity factor): the routed experts swapped for their EP share
+       (under ETP each expert's hidden width split over the TP group too), `expert_parallel.py`
+    2b. context parallelism (CP > 1): attention and the Mamba-2 mixers swapped for their forms that exchange keys,
+       values and scan states over the cp group, `context_parallel.py` (the batch source hands each rank its share
+       of the positions)
     3. activation checkpointing per block: `full` (keep each block's input, recompute the rest) or `selective`
        (keep the GEMM, attention, scan and collective outputs; recompute norms and activation functions)
     4. torch.compile per block (`train.compile`): each block's forward compiled in place, so parameter names stay
@@ -87,7 +90,7 @@ def _wrap(block: nn.Module, recompute: str) -> nn.Module:
 def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str = "none", compile: bool = False,
                 output_reduce_dtype: torch.dtype = torch.float32, seq_len: int = 4096,
                 compile_backend: str = "inductor") -> nn.Module:
-    """Apply PP, TP, EP, activation checkpointing, compile and FSDP (module docstring) to `model` in place;
+    """Apply PP, TP, EP, CP, activation checkpointing, compile and FSDP (module docstring) to `model` in place;
     returns it (under PP: this rank's stage model, and `parallel.pipeline` runs it). With `parallel` None (a
     single process) only checkpointing and compile apply. `seq_len` weighs attention in the pipeline cut;
     `compile_backend` is torch.compile's (tests trace with "aot_eager", which skips code generation)."""
@@ -103,8 +106,12 @@ def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str =
         from hybridtron.dist.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, parallel)
-    if layout is not None and (layout.ep > 1 or parallel.config.ep_capacity_factor > 0):
-        apply_expert_parallel(model, parallel.meshes["ep"], parallel.config.ep_capacity_factor)
+    if layout is not None and (layout.ep > 1 or layout.etp > 1 or parallel.config.ep_capacity_factor > 0):
+        apply_expert_parallel(model, parallel.meshes["ep_etp"], parallel.config.ep_capacity_factor)
+    if layout is not None and layout.cp > 1:
+        from hybridtron.dist.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, parallel.group("cp"))
     for parent, key in _all_blocks(model):
         block = _wrap(_get(parent, key), recompute)
         if compile:

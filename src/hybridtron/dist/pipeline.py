@@ -147,7 +147,7 @@ class Pipeline:
         if inputs and view.first:
             return (torch.empty(ids_shape, device="meta", dtype=torch.long),)
         if not inputs and view.last:
-            depths = config.mtp_num_depths if config.has_mtp else 0
+            depths = config.mtp_depths
             return tuple(torch.empty(rows, length, config.vocab_size, **meta) for _ in range(1 + depths))
         hidden = torch.empty(rows, length // tp, config.hidden_size, **meta)
         return (hidden, torch.empty(rows, length, config.hidden_size, **meta)) if view.carries_embeddings \

@@ -3,7 +3,8 @@ clipping over sharded gradients, and gathering the model for an export.
 
 Rows. The loader yields the global micro-batch on every rank (it is a pure function of its position, which is
 global, so a checkpoint taken at one world size resumes at any other); each data-parallel rank takes its
-contiguous batch_size / dp rows. TP and PP peers of a rank read the same rows.
+contiguous batch_size / dp rows. TP and PP peers of a rank read the same rows. Under context parallelism each cp
+rank of those rows takes its contiguous seq_len / cp positions (`context_parallel.shard_sequence`).
 
 Norms. A gradient is a DTensor sharded over some mesh dimensions and replicated over the rest (or over ranks
 outside its mesh). Each rank sums the squares of its local shard, divided by how many ranks of its pipeline stage
@@ -20,17 +21,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hybridtron.dist.context_parallel import shard_sequence
 from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.parallelize import canonical_name
 from hybridtron.dist.state import canonical_full_state
 
 
 class DataParallelBatches:
-    """A batch source whose micro-batches are this rank's rows of the global ones (module docstring); its position
-    is the wrapped source's, unchanged, so it is the same at every world size."""
+    """A batch source whose micro-batches are this rank's rows of the global ones (module docstring), and under
+    context parallelism its share of their positions, with the `lookahead` (the model's MTP depths) ids and labels
+    after it. Its position is the wrapped source's, unchanged, so it is the same at every world size."""
 
-    def __init__(self, batches, parallel: Parallel):
-        self.batches, self.parallel = batches, parallel
+    def __init__(self, batches, parallel: Parallel, lookahead: int = 0):
+        self.batches, self.parallel, self.lookahead = batches, parallel, lookahead
         self.rank, self.size = parallel.data_rank, parallel.layout.dp
 
     def shard(self, micro_batch):
@@ -47,7 +50,17 @@ class DataParallelBatches:
         return micro_batch
 
     def next_step(self):
-        return [self.shard(micro_batch) for micro_batch in self.batches.next_step()]
+        micro_batches = [self.shard(micro_batch) for micro_batch in self.batches.next_step()]
+        if self.parallel.layout.cp > 1:
+            micro_batches = [self.share_of_sequence(micro_batch) for micro_batch in micro_batches]
+        return micro_batches
+
+    def share_of_sequence(self, micro_batch):
+        if not (isinstance(micro_batch, (tuple, list)) and len(micro_batch) == 2
+                and all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in micro_batch)):
+            raise ValueError("context parallelism splits (input_ids [B, T], labels [B, T]) micro-batches; this batch "
+                             f"source yields {type(micro_batch).__name__}")
+        return shard_sequence(*micro_batch, self.parallel.coordinate("cp"), self.parallel.layout.cp, self.lookahead)
 
     def state_dict(self):
         return self.batches.state_dict()

@@ -13,8 +13,9 @@ reduce-scatters its output back to sequence shards:
     lm_head       vocabulary-parallel on the gathered sequence; the logits gathered (the loss is replicated)
 
 Everything that acts token by token on sequence shards runs on local tensors with weights replicated over TP:
-the block norms, norm_f, the MoE router, latent projections and routed experts (which EP dispatches), and the
-MTP block's norms and eh_proj. Their gradients differ across the TP ranks (each saw other tokens), so FSDP
+the block norms, norm_f, the MoE router, latent projections and routed experts (which EP dispatches; under ETP
+they gather the TP group's tokens and split their width instead, `expert_parallel.py`), and the MTP block's norms
+and eh_proj. Their gradients differ across the TP ranks (each saw other tokens), so FSDP
 shards them over dp x tp and sums them there (`parallelize.apply_fsdp`).
 
 The mixers run on local shards (`LocalShardParallel`): their parameters are DTensors (so FSDP, the optimizer and

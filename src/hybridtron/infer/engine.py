@@ -323,12 +323,14 @@ class HybridEngine:
             events.close()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1, *, logprobs: bool = True,
-                 expert_ids: bool = False) -> list[list[Completion]]:
+                 expert_ids: bool = False, first_prompt: int = 0) -> list[list[Completion]]:
         """`n` completions of each prompt (token id lists), as `result[prompt][sample]` (see `Completion`).
 
         Every prompt x n samples goes through the engine's loop (its slots fill and refill as sequences finish);
         the samples of identical prompts share one prefill. A seeded `params.seed` makes the whole call reproducible
-        (sample j of prompt i has the noise key of (seed, i * n + j)), whatever else the engine runs. Stop strings
+        (sample j of prompt i has the noise key of (seed, (first_prompt + i) * n + j)), whatever else the engine
+        runs; `first_prompt` lets engines that each take a slice of one list of prompts sample it as one call would
+        (`hybridtron.post.rollout.RolloutShare`). Stop strings
         (`params.stop`) end a sequence at the token that completes one. `expert_ids` needs eager decoding (an engine
         built without `compile`)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -340,7 +342,7 @@ class HybridEngine:
                              "without compile")
         prompts = check_prompts(prompts, self.vocab_size, self.max_context)
         seed = self._seed(params)
-        sequences = [[self.sequence(prompt, params, noise_key(seed, i * n + j), logprobs=logprobs,
+        sequences = [[self.sequence(prompt, params, noise_key(seed, (first_prompt + i) * n + j), logprobs=logprobs,
                                     expert_ids=expert_ids) for j in range(n)] for i, prompt in enumerate(prompts)]
         groups: dict[tuple[int, ...], list[SequenceState]] = {}
         for i, prompt in enumerate(prompts):

@@ -117,25 +117,32 @@ class HybridLM(nn.Module):
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
                 mtp: bool = True, expert_ids: dict[str, torch.Tensor] | None = None,
-                mixer_fn=run_mixer, logits: bool = True) -> LMOutput:
+                mixer_fn=run_mixer, logits: bool = True, following_ids: torch.Tensor | None = None) -> LMOutput:
         """`cache`: continue from a `model.state.LayerStates` (or its serving subclass `infer.cache.HybridCache`)
         and advance it (no MTP logits, no expert counts). `expert_ids`: routing replay for the backbone's MoE layers,
         {router name (`routers()`): chosen experts [B, T, k]}; a layer not named routes itself (the MTP block always
         does). `mixer_fn`: how each block's mixer runs (`block.run_mixer`, the reference; decoders pass their fast
         paths, `hybridtron.infer.fastpath`). `logits=False`: stop before lm_head (`logits` None, `mtp_logits` empty):
-        `hidden` and `mtp_hidden` are what it would read, for a loss that applies it itself (no `labels` then)."""
+        `hidden` and `mtp_hidden` are what it would read, for a loss that applies it itself (no `labels` then).
+        `following_ids` [B, <= mtp_num_depths]: the tokens after `input_ids` when they are a window of a longer
+        sequence (a context-parallel share, `hybridtron.dist.context_parallel`): MTP depth k at the window's last
+        positions reads their embeddings instead of the padding past an end."""
         self._check_ids(input_ids)
+        length, ids_ahead = input_ids.shape[1], input_ids
+        if following_ids is not None:
+            self._check_ids(following_ids)
+            ids_ahead = torch.cat([input_ids, following_ids], dim=1)
         if labels is not None and not logits:
             raise ValueError("HybridLM.forward: labels need the logits (logits=False leaves the loss to the caller)")
-        embeddings = self.backbone.embeddings(input_ids)
-        hidden = embeddings
+        embeddings_ahead = self.backbone.embeddings(ids_ahead)  # one call: the following ids' rows are MTP's alone
+        hidden = embeddings = embeddings_ahead[:, :length]
         layer_states = cache.layers if cache is not None else [None] * len(self.backbone.layers)
         lengths = cache.lengths if cache is not None else None
         for index, (layer, layer_cache) in enumerate(zip(self.backbone.layers, layer_states)):
             replay = expert_ids.get(str(index)) if expert_ids else None
             hidden = layer(hidden, layer_cache, lengths, replay, mixer_fn)
         if cache is not None:
-            cache.lengths += input_ids.shape[1]
+            cache.lengths += length
         hidden = self.backbone.norm_f(hidden)
         out = LMOutput(logits=self.lm_head(hidden) if logits else None, hidden=hidden,
                        expert_counts=self.expert_counts() if cache is None else None)
@@ -144,7 +151,8 @@ class HybridLM(nn.Module):
             previous = hidden
             for depth in range(1, self.config.mtp_num_depths + 1):
                 # the embedding of token t+k; positions past the end see padding and are never scored
-                next_embedding = F.pad(embeddings[:, depth:], (0, 0, 0, depth))
+                ahead = embeddings_ahead[:, depth:depth + length]
+                next_embedding = F.pad(ahead, (0, 0, 0, length - ahead.shape[1]))
                 previous = self.mtp(previous, next_embedding)
                 out.mtp_hidden.append(previous)
                 if logits:

@@ -581,8 +581,7 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
         tasks = eval_env.tasks("test", grpo.eval_tasks, grpo.seed)
         evaluators.append(HeldOutAccuracy(eval_env, tasks, tokenizer, grpo.eval_every, max_tokens=grpo.eval_max_tokens,
                                           batch_size=grpo.eval_batch_size, enable_thinking=grpo.enable_thinking))
-    objective = GRPOObjective(grpo, model_config.mtp_num_depths if model_config.has_mtp else 0, reference=reference,
-                              parallel=parallel)
+    objective = GRPOObjective(grpo, model_config.mtp_depths, reference=reference, parallel=parallel)
     trainer = assemble_trainer(model, objective, rollouts, evaluators, train=train, monitor_config=config.monitor,
                                out=out, checkpoints=checkpoints, quiet=quiet, stream=stream, parallel=parallel)
     return trainer, RunParts(tokenizer, rollouts, eval_env)

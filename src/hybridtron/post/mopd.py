@@ -614,8 +614,7 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
                               parallel=parallel)
     mixture = mopd.mixture()
     evaluators = [DomainAccuracy(mixture, tokenizer, mopd)] if mopd.eval_tasks else []
-    objective = MOPDObjective(mopd, mixture.domains, model_config.mtp_num_depths if model_config.has_mtp else 0,
-                              parallel=parallel)
+    objective = MOPDObjective(mopd, mixture.domains, model_config.mtp_depths, parallel=parallel)
     trainer = assemble_trainer(model, objective, rollouts, evaluators, train=train, monitor_config=config.monitor,
                                out=out, checkpoints=checkpoints, quiet=quiet, stream=stream, parallel=parallel)
     return trainer, RunParts(tokenizer, rollouts, mixture)

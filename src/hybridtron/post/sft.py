@@ -372,8 +372,7 @@ def build_trainer(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, 
         print(data.stats.format(), file=stream)
 
     model = load_pretrained(config.base_model, config=model_config, dtype=torch.float32)
-    depths = model_config.mtp_num_depths if model_config.has_mtp else 0
-    objective = SFTObjective(depths, data_sum=parallel.sum_over_data if parallel is not None else None)
+    objective = SFTObjective(model_config.mtp_depths, data_sum=parallel.sum_over_data if parallel is not None else None)
     evaluators = [HeldOutLoss(data.val_batches, train.val_every)] if data.val_batches else []
     trainer = assemble_trainer(model, objective, data.train_loader, evaluators, train=train,
                                monitor_config=config.monitor, out=out, checkpoints=checkpoints, quiet=quiet,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from hybridtron.ops.cross_entropy import IGNORE_INDEX
+
 
 class Evaluator:
     every: int
@@ -26,12 +28,15 @@ class Evaluator:
 
 
 class ValidationLoss(Evaluator):
-    """Mean `lm_loss` (CE of the next token, the MTP depths apart) over fixed validation batches."""
+    """Mean `lm_loss` (CE of the next token, the MTP depths apart) over fixed validation batches.
+
+    `sum_over_shares` (context parallelism: each rank holds a share of every batch's positions): sums a tensor
+    over the ranks sharing the batches, so each batch's CE is the mean over all its shares' targets."""
 
     key = "val_loss"
 
-    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], every: int):
-        self.batches, self.every = batches, every
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], every: int, sum_over_shares=None):
+        self.batches, self.every, self.sum_over_shares = batches, every, sum_over_shares
         self.history: list[tuple[int, float]] = []
 
     @torch.no_grad()
@@ -44,12 +49,24 @@ class ValidationLoss(Evaluator):
         pipeline = parallel.pipeline if parallel is not None else None  # pp > 1: stage by stage
         for input_ids, labels in self.batches:
             with trainer.autocast():
-                total += pipeline.lm_loss(input_ids, labels) if pipeline is not None else \
-                    float(model(input_ids, labels, mtp=False).lm_loss)
+                if pipeline is not None:
+                    total += pipeline.lm_loss(input_ids, labels)
+                elif self.sum_over_shares is not None:
+                    total += self._shared_lm_loss(model, input_ids, labels)
+                else:
+                    total += float(model(input_ids, labels, mtp=False).lm_loss)
         model.train(was_training)
         value = total / len(self.batches)
         self.history.append((trainer.step, value))
         return {self.key: value}
+
+    def _shared_lm_loss(self, model, input_ids, labels) -> float:
+        logits = model(input_ids, mtp=False).logits.float()
+        ce_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                                   reduction="sum")
+        sums = torch.stack([ce_sum.double(), (labels != IGNORE_INDEX).sum().double()])
+        ce_sum, count = self.sum_over_shares(sums).tolist()
+        return ce_sum / count
 
     def state_dict(self):
         return {"history": list(self.history)}

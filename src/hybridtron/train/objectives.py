@@ -65,10 +65,18 @@ def router_counts(model, out) -> dict[str, torch.Tensor]:
     return dict(zip(model.routers(), rows))
 
 
-def target_counts(labels_BT: torch.Tensor, depths: int) -> torch.Tensor:
-    """[1 + depths]: the valid next-token targets of a micro-batch, then those of each MTP depth."""
-    valid = [labels_BT != IGNORE_INDEX] + [mtp_targets(labels_BT, d) != IGNORE_INDEX for d in range(1, depths + 1)]
-    return torch.stack([v.sum() for v in valid])
+def window_targets(labels_BT: torch.Tensor, depth: int, length: int) -> torch.Tensor:
+    """The targets of depth `depth` (0: the next token, k: MTP depth k) at the first `length` positions. `labels`
+    may run past them: a context-parallel share's labels carry the next share's first ones, which its last
+    positions' MTP depths are scored against."""
+    return (labels_BT if depth == 0 else mtp_targets(labels_BT, depth))[:, :length]
+
+
+def target_counts(labels_BT: torch.Tensor, depths: int, length: int | None = None) -> torch.Tensor:
+    """[1 + depths]: the valid next-token targets of a micro-batch (of its first `length` positions), then those of
+    each MTP depth."""
+    length = labels_BT.shape[1] if length is None else length
+    return torch.stack([(window_targets(labels_BT, d, length) != IGNORE_INDEX).sum() for d in range(depths + 1)])
 
 
 def local_head_weight(model) -> torch.Tensor | None:
@@ -88,7 +96,9 @@ class PretrainObjective:
     (`linear_cross_entropy`: no [tokens, vocab] logits); otherwise it takes the model's logits. `data_sum` (data
     parallelism: sums a tensor over the data-parallel ranks in place) and `mtp_depths` (the model's): each rank's
     CE means are weighted by its share of the micro-batch's valid targets, depth by depth, so the shares sum to the
-    single-process means of the whole micro-batch. `compile_loss` (`train.compile`): the cross entropies run
+    single-process means of the whole micro-batch. A micro-batch is (input ids, labels), or under context
+    parallelism a share of one (`dist.context_parallel.shard_sequence`: its labels run on past its ids, and the ids
+    that follow it come third, for MTP). `compile_loss` (`train.compile`): the cross entropies run
     compiled (the per-block softmax and its gradient fused into one loop). `fused_head=False`: always through the
     logits (bench/compile.py compares the two)."""
 
@@ -104,21 +114,23 @@ class PretrainObjective:
     def begin_step(self, micro_batches):
         self.micro_batches = len(micro_batches)
         if self.data_sum is not None:  # one all-reduce per step: every micro-batch's valid targets, per depth
-            counts = torch.stack([target_counts(labels, self.mtp_depths) for _, labels in micro_batches])
+            counts = torch.stack([target_counts(labels, self.mtp_depths, input_ids.shape[1])
+                                  for input_ids, labels, *_ in micro_batches])
             self.global_counts = list(self.data_sum(counts.double()).unbind(0))
 
     def __call__(self, model, micro_batch):
-        input_ids, labels = micro_batch
+        input_ids, labels, *following = micro_batch
+        ahead = {"following_ids": following[0]} if following else {}
         weight = local_head_weight(model) if self.fused_head else None
         if weight is None:
-            out = model(input_ids)
+            out = model(input_ids, **ahead)
             return self.loss_from_outputs(model, (out.logits, *out.mtp_logits), labels, router_counts(model, out))
-        out = model(input_ids, logits=False)
+        out = model(input_ids, logits=False, **ahead)
         lm_loss, *mtp_losses = [
             linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX,
                                  compiled=self.compile_loss)
             for hidden, targets in self._targets([out.hidden, *out.mtp_hidden], labels)]
-        loss, metrics = self._combine(model, lm_loss, mtp_losses, labels)
+        loss, metrics = self._combine(model, lm_loss, mtp_losses, labels, input_ids.shape[1])
         return ObjectiveOutput(loss / self.micro_batches, metrics, input_ids.numel(), router_counts(model, out))
 
     def loss_from_outputs(self, model, outputs, labels, expert_counts=None):
@@ -127,26 +139,26 @@ class PretrainObjective:
         pipeline the expert counts are the pipeline's to collect."""
         lm_loss, *mtp_losses = [self.cross_entropy(logits, targets)
                                 for logits, targets in self._targets(outputs, labels)]
-        loss, metrics = self._combine(model, lm_loss, mtp_losses, labels)
-        return ObjectiveOutput(loss / self.micro_batches, metrics, labels.numel(), expert_counts or {})
+        loss, metrics = self._combine(model, lm_loss, mtp_losses, labels, outputs[0].shape[1])
+        return ObjectiveOutput(loss / self.micro_batches, metrics, outputs[0].shape[:2].numel(), expert_counts or {})
 
     @staticmethod
     def _targets(outputs, labels):
         """(output, its targets): the next tokens for the first, depth d's targets for the MTP depth d."""
-        return [(output, labels if depth == 0 else mtp_targets(labels, depth)) for depth, output in enumerate(outputs)]
+        return [(output, window_targets(labels, depth, output.shape[1])) for depth, output in enumerate(outputs)]
 
-    def _combine(self, model, lm_loss, mtp_losses, labels):
+    def _combine(self, model, lm_loss, mtp_losses, labels, length):
         """The micro-batch's loss, CE + mtp_loss_weight x the mean of the MTP depths' CE, and its metrics; under
         data parallelism this rank's share of them."""
         if self.data_sum is not None:
-            return self._share(model, lm_loss, mtp_losses, labels)
+            return self._share(model, lm_loss, mtp_losses, labels, length)
         loss = lm_loss + model.config.mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
         return loss, {"loss": loss.detach(), "lm_loss": lm_loss.detach(),
                       **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(mtp_losses, start=1)}}
 
-    def _share(self, model, lm_loss, mtp_losses, labels):
+    def _share(self, model, lm_loss, mtp_losses, labels, length):
         """This rank's share of the micro-batch's loss and metrics: each mean times local / global valid targets."""
-        local = target_counts(labels, len(mtp_losses)).double()
+        local = target_counts(labels, len(mtp_losses), length).double()
         total = self.global_counts.pop(0).to(local.device)
         weights = (local / total).to(lm_loss.dtype)
         lm = lm_loss * weights[0]

@@ -45,9 +45,8 @@ def training_memory(model_config, micro_batch_tokens: int) -> MemoryEstimate:
     from hybridtron.model.lm import HybridLM
 
     parameters = HybridLM.on_meta(model_config).num_parameters(include_mtp=True)
-    layers = model_config.num_hidden_layers + (len(model_config.mtp_layers_block_type) *
-                                               model_config.mtp_num_depths if model_config.has_mtp else 0)
-    heads = 1 + (model_config.mtp_num_depths if model_config.has_mtp else 0)
+    layers = model_config.num_hidden_layers + len(model_config.mtp_layers_block_type) * model_config.mtp_depths
+    heads = 1 + model_config.mtp_depths
     return MemoryEstimate(parameters=parameters, state_bytes=parameters * BYTES_PER_PARAMETER,
                           activation_bytes=micro_batch_tokens * layers * model_config.hidden_size
                           * ACTIVATION_BYTES_PER_UNIT,

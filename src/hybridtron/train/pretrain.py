@@ -64,7 +64,7 @@ def build_trainer(config, out: Path, checkpoints, *, quiet: bool, stream=None):
     if train.mtp_loss_weight is not None:
         model_config = model_config.replace(mtp_loss_weight=train.mtp_loss_weight)
     parallel = start_parallel(config.dist, model_config, batch_size=config.data.batch_size,
-                              grad_accum=train.grad_accum, seq_len=config.data.seq_len)
+                              grad_accum=train.grad_accum, seq_len=config.data.seq_len, context_parallel=True)
     main = parallel is None or parallel.is_main
     quiet = quiet or not main
     prepare_process(train, model_config, config.data.seq_len * config.data.batch_size, stream)
@@ -82,9 +82,16 @@ def build_trainer(config, out: Path, checkpoints, *, quiet: bool, stream=None):
     model = HybridLM(model_config)
     val_batches = data.val_batches if parallel is None else \
         [(ids.to(parallel.device), labels.to(parallel.device)) for ids, labels in data.val_batches]
+    if parallel is not None and parallel.layout.cp > 1:  # every rank its share of each sequence's positions
+        from hybridtron.dist.context_parallel import shard_sequence
+
+        cp_rank, cp = parallel.coordinate("cp"), parallel.layout.cp
+        val_batches = [shard_sequence(ids, labels, cp_rank, cp, 0)[:2] for ids, labels in val_batches]
     objective = PretrainObjective(compile_loss=train.compile) if parallel is None else PretrainObjective(
-        parallel.sum_over_data, model_config.mtp_num_depths if model_config.has_mtp else 0, train.compile)
-    trainer = assemble_trainer(model, objective, data.train_loader, [ValidationLoss(val_batches, train.val_every)],
+        parallel.sum_over_data, model_config.mtp_depths, train.compile)
+    validation = ValidationLoss(val_batches, train.val_every,
+                                sum_over_shares=parallel.sum_over_context if parallel is not None else None)
+    trainer = assemble_trainer(model, objective, data.train_loader, [validation],
                                train=train, monitor_config=config.monitor, out=out, checkpoints=checkpoints,
                                quiet=quiet, stream=stream, parallel=parallel)
     return trainer, data
@@ -100,7 +107,8 @@ def run(args) -> int:
         print(config.to_toml(), end="")
         return 0
     check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=config.data.batch_size,
-                     grad_accum=config.train.grad_accum, seq_len=config.data.seq_len)  # before anything is written
+                     grad_accum=config.train.grad_accum, seq_len=config.data.seq_len,
+                     context_parallel=True)  # before anything is written
     result = train_in_run_dir(args, config, RunConfig.load, lambda out, checkpoints: build_trainer(
         config, out, checkpoints, quiet=args.quiet))
     if result is None:  # the run in --out was already complete

@@ -142,12 +142,15 @@ def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: int, seq_len: int):
+def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: int, seq_len: int,
+                   context_parallel: bool = False):
     """The run's process groups (hybridtron.dist.mesh.init_parallel): None for one process and the default
-    layout; a layout the planner rejects is a ValueError before any process group is built."""
+    layout; a layout the planner rejects is a ValueError before any process group is built. `context_parallel`:
+    the run's batches can be split by position (pretraining's fixed-length sequences)."""
     from hybridtron.dist.mesh import init_parallel
 
-    return init_parallel(dist_config, model_config, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len)
+    return init_parallel(dist_config, model_config, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
+                         context_parallel=context_parallel)
 
 
 def prepare_process(train, model_config, micro_batch_tokens: int, stream=None) -> None:
@@ -205,7 +208,7 @@ def assemble_trainer(model, objective, loader, evaluators, *, train, monitor_con
         if parallel is not None:
             from hybridtron.dist.step import DataParallelBatches
 
-            batches = DataParallelBatches(batches, parallel)
+            batches = DataParallelBatches(batches, parallel, model.config.mtp_depths)
     hooks = [H.MetricsLogger(out, every=train.log_every)] if main else []
     if not quiet and main:
         hooks.append(H.ProgressBar(stream))
