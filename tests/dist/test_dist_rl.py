@@ -1,5 +1,7 @@
-"""`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2, rank 0 runs
-the rollouts (and MOPD's teacher scoring), every rank trains on its rows of each micro-batch, and the per-step
+"""`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2, each rank
+generates and grades (MOPD: and teacher-scores) its share of every step's rollouts and gathers the rest (inline
+roles, the synchronous mode), or rank 0 runs them all (the asynchronous mode's role process), every rank trains on
+its rows of each micro-batch, and the per-step
 losses, gradient norms, rollout statistics and held-out pass@1 are those of one process (1e-5, fp32); a layout
 the RL learner cannot run fails before anything is written; commands that run as one process refuse torchrun."""
 
@@ -31,6 +33,11 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def ranks(steps: list[dict]) -> set[float]:
+    """How many ranks generated each step's rollouts (the step-0 evaluation line has none)."""
+    return {r["rollout_ranks"] for r in steps if "rollout_ranks" in r}
+
+
 def torchrun(command: list[str], timeout: int) -> None:
     """`command` (a hybridtron command line, e.g. `grpo_argv`'s) under torchrun on 2 processes."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -53,11 +60,14 @@ def assert_same_steps(world2: list[dict], single: list[dict]) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path):
-    extra = ("--steps", "3", "--set", "train.lr=1e-3")
+@pytest.mark.parametrize("mode, rollout_ranks", [((), 2), (("--set", "grpo.async_rollouts=true"), 1)],
+                         ids=["sync_split_rollouts", "async_rank0_rollouts"])
+def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, rollout_ranks):
+    extra = ("--steps", "3", "--set", "train.lr=1e-3", *mode)
     assert _grpo(policy_dir, tmp_path / "single", *extra) == 0
     torchrun(grpo_argv(policy_dir, tmp_path / "world2", *extra, "--set", "dist.ep=2"), timeout=280)
     single, world2 = records(tmp_path / "single"), records(tmp_path / "world2")
+    assert ranks(world2) == {rollout_ranks} and ranks(single) == {1}
     assert any(r.get("groups_trained", 0) > 0 for r in single)  # the policy loss did train
     assert "pass_at_1" in single[0] and "pass_at_1" in single[-1]
     assert_same_steps(world2, single)
@@ -71,6 +81,7 @@ def test_mopd_with_its_warmup_on_two_processes_matches_one_process(models, tmp_p
     extra = ("--steps", "2", "--set", "mopd.warmup_steps=2", "--set", "train.lr=1e-3")
     assert _mopd(models, tmp_path / "single", *extra) == 0
     torchrun(mopd_argv(models, tmp_path / "world2", *extra, "--set", "dist.ep=2"), timeout=280)
+    assert ranks(records(tmp_path / "world2")) == {2}  # rollouts and teacher scores split over the ranks
     assert_same_steps(records(tmp_path / "world2"), records(tmp_path / "single"))
     assert_same_steps(records(tmp_path / "world2" / "warmup"), records(tmp_path / "single" / "warmup"))
 

@@ -174,6 +174,23 @@ def test_samples_beyond_the_free_slots_share_the_prefill_and_wait(model, tokeniz
     assert_idle(engine)
 
 
+def test_engines_that_each_take_a_slice_of_the_prompts_sample_what_one_call_samples(model, tokenizer):
+    """`first_prompt` (split rollouts under torchrun): prompts 1.. generated apart, with logprobs, are the whole
+    call's samples of them, and the first slice is the whole call's first."""
+    engine = HybridEngine.from_model(model, tokenizer, max_slots=4)
+    prompts = prompts_of([5, 7, 4])
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
+    whole = engine.generate(prompts, params, n=2)
+    parts = engine.generate(prompts[:1], params, n=2) + engine.generate(prompts[1:], params, n=2, first_prompt=1)
+    for got, want in zip(parts, whole):
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.logprobs, b.logprobs)
+    shifted = engine.generate(prompts[1:], params, n=2)  # without the offset, other noise keys
+    assert [c.token_ids for c in shifted[0]] != [c.token_ids for c in whole[1]]
+    assert_idle(engine)
+
+
 # ------------------------------------------------------------------------------------------ the API
 def test_queue_full_and_bad_requests(model, tokenizer):
     engine = HybridEngine.from_model(model, tokenizer, speculative=False, max_queue=2)

@@ -142,11 +142,18 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Te
         torch._foreach_mul_(local, coefficient.to(local[0].device))
 
 
-def full_state_dict(model: torch.nn.Module, parallel: Parallel) -> dict[str, torch.Tensor] | None:
-    """The whole model's state, in canonical names and on the CPU, on global rank 0 (None elsewhere). Every rank
-    must call it; under PP each stage gathers its own part and rank 0 merges them."""
+def full_state_dict(model: torch.nn.Module, parallel: Parallel, everywhere: bool = False
+                    ) -> dict[str, torch.Tensor] | None:
+    """The whole model's state, in canonical names and on the CPU, on global rank 0 (None elsewhere), or with
+    `everywhere` on every rank (not under PP). Every rank must call it; under PP each stage gathers its own part
+    and rank 0 merges them."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    if everywhere:
+        if parallel.layout.pp > 1:
+            raise ValueError("full_state_dict(everywhere=True): a pipeline stage holds only its own layers")
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return canonical_full_state({name: tensor.cpu() for name, tensor in state.items()}, model)
     if parallel.layout.pp == 1:  # cpu_offload: the full tensors land on global rank 0 only
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return canonical_full_state(state, model) if parallel.is_main else None

@@ -548,7 +548,7 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
     from hybridtron.post.roles import RoleSpec
-    from hybridtron.post.rollout import (RolloutBatches, RolloutRole, learner_layout, load_env,
+    from hybridtron.post.rollout import (RolloutBatches, RolloutRole, RolloutShare, learner_layout, load_env,
                                          rollout_pipeline_factory)
     from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
 
@@ -556,7 +556,8 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     train, grpo = config.train, config.grpo
     model_config = config.model
     rows, seq_len = micro_batch_shape(config)
-    # under torchrun: rank 0 runs the rollouts; every rank trains on its rows of each micro-batch (RolloutBatches)
+    # under torchrun: every rank trains on its rows of each micro-batch; the rollouts are split over the ranks
+    # (inline roles) or run on rank 0 (roles in processes or Ray actors): RolloutBatches
     parallel = start_parallel(config.dist, model_config, **learner_layout(
         config.dist, model_config, rows=rows, seq_len=seq_len, routing_replay=grpo.routing_replay, what="GRPO"))
     quiet = quiet or (parallel is not None and not parallel.is_main)
@@ -570,11 +571,14 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     async_mode = grpo.async_rollouts
     staleness = grpo.staleness if async_mode else 0
     backend = grpo.rollout_backend if async_mode else "inline"
+    shared = parallel is not None and backend == "inline"  # every rank generates its share of each step's prompts
     role = RoleSpec(RolloutRole, dict(model_dir=str(config.base_model), model_config=model_config, env=config.env,
-                                      env_options=grpo.env_options(),
-                                      config=grpo, threads=grpo.rollout_threads if backend != "inline" else 0))
+                                      env_options=grpo.env_options(), config=grpo,
+                                      threads=grpo.rollout_threads if backend != "inline" else 0,
+                                      share=RolloutShare() if shared else None))
     rollouts = RolloutBatches(rollout_pipeline_factory([role], backend, staleness), staleness=staleness,
-                              grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0, parallel=parallel)
+                              grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0, parallel=parallel,
+                              shared=shared)
     evaluators, eval_env = [], None
     if grpo.eval_tasks:
         eval_env = load_env(config.env, **grpo.env_options())

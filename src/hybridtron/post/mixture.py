@@ -163,10 +163,10 @@ class MixtureRolloutRole(RolloutRole):
     prompt, no dynamic sampling). Adds `reward_mean/<domain>` and `response_length/<domain>` to the statistics."""
 
     def __init__(self, *, model_dir: str, model_config, envs: Sequence[str], weights: Sequence[float] = (),
-                 levels: dict[str, Sequence[int]] | None = None, config, threads: int = 0):
+                 levels: dict[str, Sequence[int]] | None = None, config, threads: int = 0, share=None):
         super().__init__(model_dir=model_dir, model_config=model_config, env=MIXTURE_ENV,
                          env_options={"envs": tuple(envs), "weights": tuple(weights), "levels": levels},
-                         config=config, threads=threads)
+                         config=config, threads=threads, share=share)
         self.curriculum = DomainSampler([t.domain for t in self.tasks], [t.difficulty for t in self.tasks],
                                         self.env.domain_weights)
 

@@ -557,8 +557,9 @@ def run_warmup(config: MOPDRunConfig, out: Path, *, resume: bool, quiet: bool) -
 
 
 # ------------------------------------------------------------------------------------------------- the run
-def role_specs(config: MOPDRunConfig, student_dir: str | Path, backend: str) -> list:
-    """The rollout and teacher-scoring roles of the pipeline (the learner is the trainer itself)."""
+def role_specs(config: MOPDRunConfig, student_dir: str | Path, backend: str, share=None) -> list:
+    """The rollout and teacher-scoring roles of the pipeline (the learner is the trainer itself); `share`: this
+    rank's part of their work when every torchrun rank runs them inline (`rollout.RolloutShare`)."""
     from hybridtron.post.mixture import MixtureRolloutRole
     from hybridtron.post.roles import RoleSpec
     from hybridtron.post.teachers import TeacherScoringRole
@@ -571,10 +572,11 @@ def role_specs(config: MOPDRunConfig, student_dir: str | Path, backend: str) -> 
 
     return [RoleSpec(MixtureRolloutRole, dict(model_dir=str(student_dir), model_config=config.model, envs=mopd.envs,
                                               weights=mopd.domain_weights, levels=mopd.level_map(), config=mopd,
-                                              threads=threads), resources=placement(mopd.rollout_ray_resource)),
+                                              threads=threads, share=share),
+                     resources=placement(mopd.rollout_ray_resource)),
             RoleSpec(TeacherScoringRole, dict(teachers=dict(config.teachers), general=config.general,
                                               temperature=mopd.temperature, batch_size=mopd.teacher_batch_size,
-                                              threads=threads, top_k=mopd.kl_top_k),
+                                              threads=threads, top_k=mopd.kl_top_k, share=share),
                      resources=placement(mopd.teacher_ray_resource))]
 
 
@@ -594,13 +596,14 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
     from hybridtron.post.grpo import RunParts
-    from hybridtron.post.rollout import RolloutBatches, learner_layout, rollout_pipeline_factory
+    from hybridtron.post.rollout import RolloutBatches, RolloutShare, learner_layout, rollout_pipeline_factory
     from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
 
     stream = sys.stderr if stream is None else stream
     train, mopd, model_config = config.train, config.mopd, config.model
     rows, seq_len = micro_batch_shape(config)
-    # under torchrun: rank 0 runs the rollout and teacher roles; every rank trains on its rows (RolloutBatches)
+    # under torchrun: every rank trains on its rows; the rollout and teacher roles split their work over the ranks
+    # (inline roles) or run on rank 0 (roles in processes or Ray actors): RolloutBatches
     parallel = start_parallel(config.dist, model_config, **learner_layout(
         config.dist, model_config, rows=rows, seq_len=seq_len, routing_replay=mopd.routing_replay, what="MOPD"))
     quiet = quiet or (parallel is not None and not parallel.is_main)
@@ -609,9 +612,11 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
     model = load_pretrained(student_dir, config=model_config, dtype=torch.float32)
     staleness = mopd.staleness if mopd.async_rollouts else 0
     backend = mopd.rollout_backend if mopd.async_rollouts else "inline"
-    rollouts = RolloutBatches(rollout_pipeline_factory(role_specs(config, student_dir, backend), backend, staleness),
-                              staleness=staleness, grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0,
-                              parallel=parallel)
+    shared = parallel is not None and backend == "inline"
+    specs = role_specs(config, student_dir, backend, RolloutShare() if shared else None)
+    rollouts = RolloutBatches(rollout_pipeline_factory(specs, backend, staleness), staleness=staleness,
+                              grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0, parallel=parallel,
+                              shared=shared)
     mixture = mopd.mixture()
     evaluators = [DomainAccuracy(mixture, tokenizer, mopd)] if mopd.eval_tasks else []
     objective = MOPDObjective(mopd, mixture.domains, model_config.mtp_depths, parallel=parallel)

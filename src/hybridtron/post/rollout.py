@@ -177,17 +177,44 @@ def step_seed(seed: int, index: int, round_: int) -> int:
     return (seed * 1_000_003 + index * 9_176 + round_ * 131) % (2 ** 31 - 1)
 
 
+class RolloutShare:
+    """This rank's part of the roles' work when every torchrun rank runs the roles inline (the synchronous mode,
+    `RolloutBatches(shared=True)`): the rollout role generates and grades a contiguous share of each round's
+    prompts, a scoring role scores a share of the rollouts, and every rank gathers all the shares, so every rank
+    holds the batch one process would make. (An engine's samples depend on their seed and their index in the
+    round alone: `HybridEngine.generate(first_prompt=...)`.)"""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def span(self, n: int) -> tuple[int, int]:
+        """[start, stop) of this rank's share of `n` items."""
+        return self.rank * n // self.world, (self.rank + 1) * n // self.world
+
+    def gather(self, part):
+        """Every rank's `part`, in rank order (so concatenated, the shares are in the order of the items)."""
+        import torch.distributed as dist
+
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, part)
+        return everyone
+
+
 # --------------------------------------------------------------------------------------- the rollout role
 class RolloutRole(Role):
     """Samples and grades one step's rollouts (see the module docstring). Built from plain values, so that it can
     be built in another process: `model_dir` (for the tokenizer and its chat template), `model_config` (the
     architecture; the weights arrive through `load_weights` before the first request), the environment (a
     registered name or `module:Factory`, see `load_env`) and its options, and `config` (a
-    `hybridtron.post.grpo.GRPOConfig`, or anything with its rollout fields)."""
+    `hybridtron.post.grpo.GRPOConfig`, or anything with its rollout fields). `share`: this rank's part of the
+    generation when every rank runs the role inline (`RolloutShare`)."""
 
     name = ROLLOUT_ROLE
 
-    def __init__(self, *, model_dir: str, model_config, env: str, env_options: dict, config, threads: int = 0):
+    def __init__(self, *, model_dir: str, model_config, env: str, env_options: dict, config, threads: int = 0,
+                 share: "RolloutShare | None" = None):
         from hybridtron.data.chat import load_chat_tokenizer
         from hybridtron.infer.engine import HybridEngine
         from hybridtron.model.lm import HybridLM
@@ -206,6 +233,7 @@ class RolloutRole(Role):
                                              enabled=config.curriculum)
         self.prompt_cache: dict[int, list[int]] = {}
         self.version: int | None = None
+        self.share = share
 
     # ---------------------------------------------------------------------------------------- the role
     def load_weights(self, version: int, state_dict: dict) -> None:
@@ -261,6 +289,7 @@ class RolloutRole(Role):
             "rollout_tokens_per_s": totals["tokens"] / max(totals["generate_s"], 1e-9),
             "grading_seconds": totals["grade_s"],
             "curriculum_pass_rate": float(self.curriculum.pass_rates().mean()),
+            "rollout_ranks": float(self.share.world if self.share is not None else 1),
         }
         if totals["verify_steps"]:
             stats["mtp_acceptance_length"] = (totals["drafts"] + totals["verify_steps"]) / totals["verify_steps"]
@@ -278,33 +307,60 @@ class RolloutRole(Role):
         return self.prompt_cache[index]
 
     def _sample_groups(self, picked: list[int], seed: int, totals: dict) -> list[list[Rollout]]:
-        """Generate, grade and score the groups of the prompts `picked`; update the curriculum."""
-        from hybridtron.post.losses import group_advantages
-
-        cfg = self.config
-        started = time.perf_counter()
-        completions = self.engine.generate([self.prompt_ids(i) for i in picked], cfg.sampling_params(seed),
-                                           n=cfg.group_size, logprobs=True, expert_ids=cfg.routing_replay)
-        totals["generate_s"] += time.perf_counter() - started
-        stats = getattr(self.engine, "last_stats", None)  # MTP acceptance of this generation, when it drafted
-        if stats is not None and getattr(stats, "steps", 0):
-            totals["drafts"] += stats.accepted
-            totals["verify_steps"] += stats.steps
-        texts, tasks = [], []
-        opening = "<think>\n" if cfg.enable_thinking is True else ""  # the generation prompt wrote it
-        for i, samples in zip(picked, completions):
+        """Generate, grade and score the groups of the prompts `picked`; update the curriculum. With a `share`,
+        this rank generates and grades its slice of them and gathers everyone's."""
+        start, stop = self.share.span(len(picked)) if self.share is not None else (0, len(picked))
+        part = self._generate_and_grade(picked[start:stop], seed, start)
+        if self.share is not None:
+            parts = self.share.gather(part)
+            part = {"completions": [c for p in parts for c in p["completions"]],
+                    "rewards": [r for p in parts for r in p["rewards"]],
+                    **{key: max(p[key] for p in parts) for key in ("generate_s", "grade_s")},  # side by side
+                    **{key: sum(p[key] for p in parts) for key in ("drafts", "verify_steps")}}
+        completions, rewards = part["completions"], part["rewards"]
+        for key in ("generate_s", "grade_s", "drafts", "verify_steps"):
+            totals[key] += part[key]
+        for samples in completions:
             for c in samples:
-                ended = c.finish_reason == "stop"  # the end token closes the completion: not part of its text
-                texts.append(opening + self.tokenizer.decode(c.token_ids[:-1] if ended else c.token_ids))
-                tasks.append(self.tasks[i])
                 totals["samples"] += 1
                 totals["tokens"] += len(c.token_ids)
                 totals["truncated"] += c.finish_reason != "stop"
                 totals["lengths"].append(len(c.token_ids))
-        started = time.perf_counter()
-        rewards = self.env.rewards(tasks, texts)
-        totals["grade_s"] += time.perf_counter() - started
         totals["rewards"] += rewards
+        return self._groups(picked, completions, rewards)
+
+    def _generate_and_grade(self, picked: list[int], seed: int, first_prompt: int) -> dict:
+        """The completions of the prompts `picked` (positions `first_prompt`.. of the round's list, which fixes
+        their noise keys) and their rewards, with the time each took and the MTP drafts accepted."""
+        cfg = self.config
+        part = {"completions": [], "rewards": [], "generate_s": 0.0, "grade_s": 0.0, "drafts": 0, "verify_steps": 0}
+        if not picked:
+            return part
+        started = time.perf_counter()
+        part["completions"] = self.engine.generate([self.prompt_ids(i) for i in picked], cfg.sampling_params(seed),
+                                                   n=cfg.group_size, logprobs=True, expert_ids=cfg.routing_replay,
+                                                   first_prompt=first_prompt)
+        part["generate_s"] = time.perf_counter() - started
+        stats = getattr(self.engine, "last_stats", None)  # MTP acceptance of this generation, when it drafted
+        if stats is not None and getattr(stats, "steps", 0):
+            part["drafts"], part["verify_steps"] = stats.accepted, stats.steps
+        texts, tasks = [], []
+        opening = "<think>\n" if cfg.enable_thinking is True else ""  # the generation prompt wrote it
+        for i, samples in zip(picked, part["completions"]):
+            for c in samples:
+                ended = c.finish_reason == "stop"  # the end token closes the completion: not part of its text
+                texts.append(opening + self.tokenizer.decode(c.token_ids[:-1] if ended else c.token_ids))
+                tasks.append(self.tasks[i])
+        started = time.perf_counter()
+        part["rewards"] = self.env.rewards(tasks, texts)
+        part["grade_s"] = time.perf_counter() - started
+        return part
+
+    def _groups(self, picked: list[int], completions, rewards: list[float]) -> list[list[Rollout]]:
+        """The graded completions as groups of `Rollout`s, with their advantages; the curriculum updated."""
+        from hybridtron.post.losses import group_advantages
+
+        cfg = self.config
         rewards_PG = torch.tensor(rewards, dtype=torch.float32).view(len(picked), cfg.group_size)
         # G = 1 (MOPD): no group baseline; the learner's advantages come from a teacher, not from these rewards
         advantages_PG = group_advantages(rewards_PG, mode=cfg.advantage_mode, eps=cfg.advantage_eps) \
@@ -487,10 +543,12 @@ class RolloutBatches:
     whose weights go to the rollout role before each new request, and its schedule's last step (no batch is
     requested past it).
 
-    `parallel` (a sharded learner under torchrun, hybridtron.dist): the pipeline runs on global rank 0 alone.
-    Every rank joins the gathering of the full weights (`dist.step.full_state_dict`) that rank 0 hands to the
-    rollout role, rank 0 broadcasts the step's batch, and each rank trains on its data-parallel rows of every
-    micro-batch (`shard_micro_batch`), so the step is the one a single process takes.
+    `parallel` (a sharded learner under torchrun, hybridtron.dist): each rank trains on its data-parallel rows of
+    every micro-batch (`shard_micro_batch`), so the step is the one a single process takes. With `shared` (inline
+    roles, built with a `RolloutShare`) every rank runs the pipeline on the full weights, which every rank gathers
+    (`dist.step.full_state_dict`), each generating and scoring its share of the step's rollouts, and every rank
+    ends with the whole batch. Otherwise (roles in processes or Ray actors) the pipeline runs on global rank 0
+    alone, with the full weights gathered there, and rank 0 broadcasts the step's batch.
 
     The protocol (see the module docstring): before the batch of step n is taken, the weights after step n - 1 go
     to the rollout role, followed by the request for batch n + staleness; so batch m is always sampled with the
@@ -503,11 +561,12 @@ class RolloutBatches:
     policy; the IS correction weights them as it does any stale batch."""
 
     def __init__(self, pipeline: Callable[[], RolePipeline], *, staleness: int, grad_accum: int, pad_id: int = 0,
-                 parallel=None):
+                 parallel=None, shared: bool = False):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         self.make_pipeline, self.parallel, self.trainer = pipeline, parallel, None
-        self.drives_pipeline = parallel is None or parallel.is_main
+        self.shared = shared and parallel is not None
+        self.drives_pipeline = parallel is None or parallel.is_main or self.shared
         self.staleness, self.grad_accum, self.pad_id = staleness, grad_accum, pad_id
         self.pipeline: RolePipeline | None = None
         self.consumed = 0  # batches the learner has taken (= its step, unless a rollback rewound it)
@@ -535,9 +594,10 @@ class RolloutBatches:
         else:
             from hybridtron.dist.step import full_state_dict
 
-            weights = full_state_dict(self.trainer.model, self.parallel)  # every rank gathers; rank 0 holds it
+            # every rank gathers; rank 0 holds the result, or every rank when each samples its share
+            weights = full_state_dict(self.trainer.model, self.parallel, everywhere=self.shared)
         batch = self._next_batch(weights) if self.drives_pipeline else None
-        if self.parallel is not None:
+        if self.parallel is not None and not self.shared:
             batch = self.parallel.broadcast_object(batch)
         self.last_wait_s = time.perf_counter() - started
         assert batch.index == self.consumed + 1, f"batch {batch.index} arrived for step {self.consumed + 1}"
@@ -573,7 +633,8 @@ class RolloutBatches:
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
-        """(Under torchrun the checkpoint keeps global rank 0's, the one that drives the pipeline.)"""
+        """(Under torchrun the checkpoint keeps global rank 0's, which drives the pipeline; with `shared`, every
+        rank's is the same.)"""
         if self.pipeline is not None:  # wait for the batches sampled with weights older than the checkpoint's
             wanted = min(self.consumed + self.staleness, self.requested)
             while self.consumed + len(self.prefetched) < wanted:

@@ -136,31 +136,41 @@ def check_checkpoint(directory: str, flag: str) -> None:
 class TeacherScoringRole(Role):
     """Adds `scores["teacher"]` (and with `top_k` > 0 the teacher's top-K tokens) to every rollout of a batch (see
     the module docstring). Built from plain values: the panel's `teachers` and `general`, the rollouts'
-    `temperature`, `batch_size` rows per forward, and `top_k`."""
+    `temperature`, `batch_size` rows per forward, and `top_k`. `share` (every torchrun rank running the roles
+    inline, `rollout.RolloutShare`): this rank scores its share of the batch's rollouts, and every rank gathers
+    all the scores."""
 
     name = TEACHER_ROLE
 
     def __init__(self, *, teachers: dict[str, str], general: str | None, temperature: float = 1.0,
-                 batch_size: int = 16, threads: int = 0, top_k: int = 0):
+                 batch_size: int = 16, threads: int = 0, top_k: int = 0, share=None):
         from hybridtron.checkpoint import load_pretrained
 
         if threads:
             torch.set_num_threads(threads)
         self.panel = TeacherPanel(dict(teachers), general)
-        self.temperature, self.batch_size, self.top_k = temperature, batch_size, top_k
+        self.temperature, self.batch_size, self.top_k, self.share = temperature, batch_size, top_k, share
         self.models = {directory: load_pretrained(directory, dtype=torch.float32).eval().requires_grad_(False)
                        for directory in self.panel.directories()}
 
     def step(self, batch: RolloutBatch) -> RolloutBatch:
         started = time.perf_counter()
+        start, stop = self.share.span(len(batch.rollouts)) if self.share is not None else (0, len(batch.rollouts))
+        mine = batch.rollouts[start:stop]
         by_teacher: dict[str, list[Rollout]] = {}
-        for rollout in batch.rollouts:
+        for rollout in mine:
             by_teacher.setdefault(self.panel.teacher_for(rollout.domain), []).append(rollout)
         for directory, rollouts in by_teacher.items():
             rollouts = sorted(rollouts, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
-            for start in range(0, len(rollouts), self.batch_size):
-                self.score(self.models[directory], rollouts[start:start + self.batch_size])
-        batch.stats["teacher_seconds"] = time.perf_counter() - started
+            for first in range(0, len(rollouts), self.batch_size):
+                self.score(self.models[directory], rollouts[first:first + self.batch_size])
+        seconds = time.perf_counter() - started
+        if self.share is not None:  # everyone's scores, in the order of the batch's rollouts
+            parts = self.share.gather(([r.scores for r in mine], seconds))
+            for rollout, scores in zip(batch.rollouts, [s for p in parts for s in p[0]]):
+                rollout.scores = scores
+            seconds = max(p[1] for p in parts)
+        batch.stats["teacher_seconds"] = seconds
         return batch
 
     @torch.no_grad()
