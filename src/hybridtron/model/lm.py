@@ -135,7 +135,8 @@ class HybridLM(nn.Module):
         if labels is not None and not logits:
             raise ValueError("HybridLM.forward: labels need the logits (logits=False leaves the loss to the caller)")
         embeddings_ahead = self.backbone.embeddings(ids_ahead)  # one call: the following ids' rows are MTP's alone
-        hidden = embeddings = embeddings_ahead[:, :length]
+        # (no slice of a whole window: a view would change the order autograd sums the embeddings' gradient in)
+        hidden = embeddings = embeddings_ahead if following_ids is None else embeddings_ahead[:, :length]
         layer_states = cache.layers if cache is not None else [None] * len(self.backbone.layers)
         lengths = cache.lengths if cache is not None else None
         for index, (layer, layer_cache) in enumerate(zip(self.backbone.layers, layer_states)):
