@@ -107,17 +107,14 @@ class ContextParallelMamba2Mixer(_ContextParallel, Mamba2Mixer):
 CONTEXT_PARALLEL_FORMS = {Attention: ContextParallelAttention, Mamba2Mixer: ContextParallelMamba2Mixer}
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Swap every attention and Mamba-2 mixer of `model` (the MTP block's too) for its context-parallel form over
-    `group`; returns how many were swapped."""
-    swapped = 0
+    `group` (its class only: the parameters and their names stay)."""
     for module in model.modules():
         form = CONTEXT_PARALLEL_FORMS.get(type(module))
         if form is not None:
             module.__class__ = form
             module.cp_group, module.cp_rank, module.cp_size = group, dist.get_rank(group), dist.get_world_size(group)
-            swapped += 1
-    return swapped
 
 
 def shard_sequence(input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, rank: int, size: int, lookahead: int

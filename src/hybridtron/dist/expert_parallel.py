@@ -103,8 +103,8 @@ class ExpertParallelExperts(nn.Module):
         if self.etp == 1:
             return self._dispatch_and_combine(x_SL, expert_ids_SK, weights_SK)
         group = self.etp_group  # the TP group's tokens; each rank its slice of the width for all of them
-        partial_SL = self._dispatch_and_combine(gather_shares(x_SL, 0, group), _all_gather_ids(expert_ids_SK, group),
-                                                gather_shares(weights_SK, 0, group))
+        gathered = (gather_shares(t, 0, group) for t in (x_SL, expert_ids_SK, weights_SK))  # ids: no gradient
+        partial_SL = self._dispatch_and_combine(*gathered)
         return sum_shares(partial_SL, 0, group)
 
     def _dispatch_and_combine(self, x_SL: torch.Tensor, expert_ids_SK: torch.Tensor, weights_SK: torch.Tensor
@@ -173,14 +173,6 @@ class ExpertParallelExperts(nn.Module):
         values = (self.routed, int(self.dropped))
         self.routed, self.dropped = 0, torch.zeros((), dtype=torch.long)
         return values
-
-
-def _all_gather_ids(ids: torch.Tensor, group) -> torch.Tensor:
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(ids) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, ids.contiguous(), group=group)
-    return torch.cat(parts)
 
 
 def dropped_shares(model: nn.Module, group) -> dict[str, float]:

@@ -82,15 +82,16 @@ def build_trainer(config, out: Path, checkpoints, *, quiet: bool, stream=None):
     model = HybridLM(model_config)
     val_batches = data.val_batches if parallel is None else \
         [(ids.to(parallel.device), labels.to(parallel.device)) for ids, labels in data.val_batches]
+    sum_over_shares = None
     if parallel is not None and parallel.layout.cp > 1:  # every rank its share of each sequence's positions
         from hybridtron.dist.context_parallel import shard_sequence
 
         cp_rank, cp = parallel.coordinate("cp"), parallel.layout.cp
         val_batches = [shard_sequence(ids, labels, cp_rank, cp, 0)[:2] for ids, labels in val_batches]
+        sum_over_shares = parallel.sum_over_context
     objective = PretrainObjective(compile_loss=train.compile) if parallel is None else PretrainObjective(
         parallel.sum_over_data, model_config.mtp_depths, train.compile)
-    validation = ValidationLoss(val_batches, train.val_every,
-                                sum_over_shares=parallel.sum_over_context if parallel is not None else None)
+    validation = ValidationLoss(val_batches, train.val_every, sum_over_shares=sum_over_shares)
     trainer = assemble_trainer(model, objective, data.train_loader, [validation],
                                train=train, monitor_config=config.monitor, out=out, checkpoints=checkpoints,
                                quiet=quiet, stream=stream, parallel=parallel)
