@@ -4,13 +4,12 @@
 
 Two copies of the same model (same weights, same batch): one eager with foreach AdamW (what `hybridtron pretrain`
 runs by default), one as `train.compile=true` runs it (every block, the MTP block included, compiled in place by
-`hybridtron.dist.parallelize`; the loss's per-block softmax compiled by the objective; torch's fused AdamW). A
-step is the objective's forward + backward + the optimizer step; both apply lm_head inside the loss
-(`ops/linear_cross_entropy.py`), and `--logits` adds both steps with the loss on the model's logits instead (the
-compiled one on the same compiled modules). The compiled copy is warmed up first (its compile time is reported
-apart); then the repetitions alternate the steps, so all see the same machine load, and the table reports
-medians and their ratio to the eager step. MFU is against the fp32 matmul peak
-measured in the same run on the same clock (`bench/pretrain.py`'s model FLOPs per token).
+`hybridtron.dist.parallelize`; torch's fused AdamW). A step is the objective's forward + backward + the optimizer
+step; both apply lm_head inside the loss (`ops/linear_cross_entropy.py`, eager in both), and `--logits` adds both
+steps with the loss on the model's logits instead (the compiled one on the same compiled modules). The compiled copy
+is warmed up first (its compile time is reported apart); then the repetitions alternate the steps, so all see the
+same machine load, and the table reports medians and their ratio to the eager step. MFU is against the fp32 matmul
+peak measured in the same run on the same clock (`bench/pretrain.py`'s model FLOPs per token).
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ def matmul_peak(size: int = 2048, repeats: int = 8) -> float:
 
 def make_step(model, compiled: bool, ids, labels, fused_head: bool = True):
     optimizer = build_optimizer(model, TrainConfig(lr=1e-4, compile=compiled))  # compiled: fused AdamW
-    # compiled: the loss's per-block softmax compiled; fused_head=False: the loss reads the model's logits
+    # fused_head=False: the loss reads the model's logits (compiled: through the compiled cross entropy)
     objective = PretrainObjective(compile_loss=compiled, fused_head=fused_head)
 
     def step():

@@ -13,13 +13,15 @@ Departure from a two-pass loss: the gradients are computed in the forward, so th
 never backpropagated does the backward GEMMs too (evaluation goes through the logits instead), and a
 second-order gradient is not available.
 
-`compiled=True` runs the per-block softmax and its gradient as one compiled graph (`train.compile`).
+One block's logits buffer serves every block (the GEMM writes into it, the softmax and its gradient overwrite it
+in place): a fresh 32 MiB block each time is paged in afresh by the kernel once glibc has returned the last one,
+which cost bench22m's step ~50 ms of page faults (docs/LOG.md, session 12). The per-block softmax is not compiled
+under `train.compile`: inductor's version of the in-place passes was no faster than eager's in the whole step, and
+slower on its own (an input it overwrites is copied).
 `linear_cross_entropy_ref` is lm_head + `F.cross_entropy` in fp32 (the tests compare the two).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -29,32 +31,24 @@ from hybridtron.ops.cross_entropy import IGNORE_INDEX
 BLOCK_ELEMENTS = 1 << 23  # 32 MiB of fp32 logits per block of rows: measured best on a Zen 4 core (docs/LOG.md)
 
 
-def block_loss_and_grad(hidden_RD: torch.Tensor, weight_VD: torch.Tensor, targets_R: torch.Tensor,
-                        scale_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum over the block's rows of scale x CE, d(that sum)/d logits) for one block, in `scale_R`'s dtype (fp32 or
-    wider); `targets_R` are valid ids (ignored rows have scale 0)."""
-    logits_RV = (hidden_RD @ weight_VD.t()).to(scale_R.dtype)
+def block_loss_and_grad_(logits_RV: torch.Tensor, targets_R: torch.Tensor, scale_R: torch.Tensor) -> torch.Tensor:
+    """The sum over the block's rows of scale x CE; `logits_RV` (in `scale_R`'s dtype, fp32 or wider) is
+    overwritten with d(that sum)/d logits. `targets_R` are valid ids (ignored rows have scale 0)."""
     rows_R = torch.arange(len(targets_R), device=targets_R.device)
     target_logit_R = logits_RV[rows_R, targets_R]
     max_R = logits_RV.amax(dim=-1)
-    # four passes over the block, in place (each a separate loop in eager; compiled, inductor fuses them)
+    # four passes over the block, in place
     exp_RV = logits_RV.sub_(max_R[:, None]).exp_()
     sum_R = exp_RV.sum(dim=-1)
     logsumexp_R = max_R + sum_R.log()
     grad_RV = exp_RV.mul_((scale_R / sum_R)[:, None])
     grad_RV[rows_R, targets_R] -= scale_R
-    return ((logsumexp_R - target_logit_R) * scale_R).sum(), grad_RV
-
-
-@functools.cache
-def compiled_block_loss_and_grad():
-    return torch.compile(block_loss_and_grad, dynamic=False)
+    return ((logsumexp_R - target_logit_R) * scale_R).sum()
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, ignore_index, compiled):
-        block = compiled_block_loss_and_grad() if compiled else block_loss_and_grad
+    def forward(ctx, hidden_ND, weight_VD, targets_N, ignore_index):
         rows = max(1, BLOCK_ELEMENTS // max(1, weight_VD.shape[0]))
         reduce_dtype = torch.promote_types(hidden_ND.dtype, torch.float32)
         valid_N = targets_N != ignore_index
@@ -63,14 +57,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         safe_targets_N = targets_N.masked_fill(~valid_N, 0)
         grad_hidden_ND = torch.empty_like(hidden_ND)
         grad_weight_VD = torch.zeros_like(weight_VD, dtype=reduce_dtype)
+        # one block's logits, reused by every block: a new one each block would be paged in afresh each time
+        logits_buffer = hidden_ND.new_empty(min(rows, hidden_ND.shape[0]), weight_VD.shape[0], dtype=reduce_dtype)
         loss = hidden_ND.new_zeros((), dtype=reduce_dtype)
         for start in range(0, hidden_ND.shape[0], rows):
             hidden_RD = hidden_ND[start:start + rows]
-            block_loss, grad_RV = block(hidden_RD, weight_VD, safe_targets_N[start:start + rows],
-                                        scale_N[start:start + rows])
-            loss += block_loss
-            grad_hidden_ND[start:start + rows] = grad_RV.to(weight_VD.dtype) @ weight_VD
-            grad_weight_VD.addmm_(grad_RV.t(), hidden_RD.to(reduce_dtype))
+            logits_RV = logits_buffer[:len(hidden_RD)]
+            if hidden_RD.dtype == reduce_dtype and weight_VD.dtype == reduce_dtype:
+                torch.mm(hidden_RD, weight_VD.t(), out=logits_RV)
+            else:
+                logits_RV.copy_(hidden_RD @ weight_VD.t())
+            loss += block_loss_and_grad_(logits_RV, safe_targets_N[start:start + rows], scale_N[start:start + rows])
+            grad_hidden_ND[start:start + rows] = logits_RV.to(weight_VD.dtype) @ weight_VD
+            grad_weight_VD.addmm_(logits_RV.t(), hidden_RD.to(reduce_dtype))
         ctx.save_for_backward(grad_hidden_ND, grad_weight_VD.to(weight_VD.dtype))
         return loss.float()
 
@@ -79,17 +78,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden_ND, grad_weight_VD = ctx.saved_tensors
         return grad_hidden_ND * grad_loss.to(grad_hidden_ND.dtype), grad_weight_VD * grad_loss.to(
-            grad_weight_VD.dtype), None, None, None
+            grad_weight_VD.dtype), None, None
 
 
 def linear_cross_entropy(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor,
-                         ignore_index: int = IGNORE_INDEX, *, compiled: bool = False) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Mean over the targets that are not `ignore_index` of -log softmax(hidden @ weight.T)[target] (NaN if
     there are none); the logits are never materialized whole. `hidden_ND` [N, D], `weight_VD` [V, D]."""
     if hidden_ND.shape[:1] != targets_N.shape or hidden_ND.shape[1:] != weight_VD.shape[1:]:
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden_ND.shape)}, weight {tuple(weight_VD.shape)} "
                          f"and targets {tuple(targets_N.shape)} do not match ([N, D], [V, D], [N])")
-    return _LinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, ignore_index, compiled)
+    return _LinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, ignore_index)
 
 
 def linear_cross_entropy_ref(hidden_ND: torch.Tensor, weight_VD: torch.Tensor, targets_N: torch.Tensor,

@@ -98,9 +98,9 @@ class PretrainObjective:
     CE means are weighted by its share of the micro-batch's valid targets, depth by depth, so the shares sum to the
     single-process means of the whole micro-batch. A micro-batch is (input ids, labels), or under context
     parallelism a share of one (`dist.context_parallel.shard_sequence`: its labels run on past its ids, and the ids
-    that follow it come third, for MTP). `compile_loss` (`train.compile`): the cross entropies run
-    compiled (the per-block softmax and its gradient fused into one loop). `fused_head=False`: always through the
-    logits (bench/compile.py compares the two)."""
+    that follow it come third, for MTP). `compile_loss` (`train.compile`): the cross entropy over
+    the logits runs compiled (the per-block softmax and its gradient fused into one loop; the fused lm_head loss
+    stays eager). `fused_head=False`: always through the logits (bench/compile.py compares the two)."""
 
     headline = ("lm_loss", "ce")
 
@@ -127,8 +127,7 @@ class PretrainObjective:
             return self.loss_from_outputs(model, (out.logits, *out.mtp_logits), labels, router_counts(model, out))
         out = model(input_ids, logits=False, **ahead)
         lm_loss, *mtp_losses = [
-            linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX,
-                                 compiled=self.compile_loss)
+            linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX)
             for hidden, targets in self._targets([out.hidden, *out.mtp_hidden], labels)]
         loss, metrics = self._combine(model, lm_loss, mtp_losses, labels, input_ids.shape[1])
         return ObjectiveOutput(loss / self.micro_batches, metrics, input_ids.numel(), router_counts(model, out))
