@@ -44,15 +44,19 @@ def test_each_bad_layout_fails_with_its_one_line_reason(small_config, config, wo
     assert reason in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("config, world, reason", [
-    (DistConfig(cp=2, ep=2), 2, None),  # valid where the run splits its sequences by position (pretraining)
-    (DistConfig(cp=2, tp=2), 4, "context parallelism is implemented with data and expert parallelism only"),
-    (DistConfig(cp=2, pp=2), 4, "use tp=1 and pp=1 with cp > 1"),
-    (DistConfig(cp=16), 16, "leaves shares of 2 positions; the Mamba conv reads the previous 3"),
+TP8 = dict(num_attention_heads=8, num_key_value_heads=8, mamba_num_heads=8, n_groups=8)  # a model tp = 8 splits
+
+
+@pytest.mark.parametrize("config, world, seq_len, model, reason", [
+    (DistConfig(cp=2, ep=2), 2, 32, {}, None),  # valid where the run splits its sequences by position (pretraining)
+    (DistConfig(cp=2, tp=2), 4, 32, {}, None),  # each cp share cut into tp sequence shards
+    (DistConfig(cp=2, tp=8), 16, 72, TP8, r"data.seq_len 72 does not split over cp 2 x tp 8"),
+    (DistConfig(cp=2, pp=2), 4, 32, {}, "implemented with data, tensor and expert parallelism only; use pp=1"),
+    (DistConfig(cp=16), 16, 32, {}, "leaves shares of 2 positions; the Mamba conv reads the previous 3"),
 ])
-def test_context_parallel_layouts_fail_with_their_reason(small_config, config, world, reason):
+def test_context_parallel_layouts_fail_with_their_reason(small_config, config, world, seq_len, model, reason):
     def run():
-        return check_run_layout(config, small_config(), world, batch_size=4, grad_accum=2, seq_len=32,
+        return check_run_layout(config, small_config(**model), world, batch_size=4, grad_accum=2, seq_len=seq_len,
                                 context_parallel=True)
     if reason is None:
         assert run().cp == 2

@@ -15,6 +15,10 @@ swaps those modules' classes for the forms below (their parameters and names sta
 - MTP reads the embedding of token t+k: the data loader hands each share the ids that follow it
   (`shard_sequence`), and the model embeds them itself (`HybridLM.forward(following_ids=...)`).
 
+Under TP as well, these forms are swapped in first and TP then runs them on its local shards
+(`tensor_parallel.LocalShardParallel`): each TP rank's mixer sees the whole cp share of its own heads and Mamba
+groups, and exchanges them with the cp ranks of its TP coordinate (the cp group is the mesh's cp dimension).
+
 Shares are contiguous, not zig-zag: the Mamba state passes from share to share in order, so causal attention's
 work is unbalanced across ranks (the last share attends to the most keys); for a hybrid model whose attention is a
 few layers in ten that is the smaller cost. The all-gathers (`collectives.gather_shares`) sum their gradient over the

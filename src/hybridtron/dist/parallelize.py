@@ -1,16 +1,17 @@
 """`parallelize(model, parallel, ...)`: apply a layout to a built HybridLM, in torchtitan's order.
 
     0. pipeline parallelism (PP > 1): the model cut to this rank's stages (`pipeline.py`), then each stage:
-    1. tensor parallelism (TP > 1) with sequence parallelism: DTensor module plans, `tensor_parallel.py`
-    2. expert parallelism (EP > 1, ETP > 1, or a capacity factor): the routed experts swapped for their EP share
-       (under ETP each expert's hidden width split over the TP group too), `expert_parallel.py`
-    2b. context parallelism (CP > 1): attention and the Mamba-2 mixers swapped for their forms that exchange keys,
+    1. context parallelism (CP > 1): attention and the Mamba-2 mixers swapped for their forms that exchange keys,
        values and scan states over the cp group, `context_parallel.py` (the batch source hands each rank its share
-       of the positions)
-    3. activation checkpointing per block: `full` (keep each block's input, recompute the rest) or `selective`
+       of the positions). Before TP, which runs whatever forward the mixer has on its local heads: under CP x TP
+       each rank exchanges its own heads' keys, values and states with the cp ranks of its TP coordinate.
+    2. tensor parallelism (TP > 1) with sequence parallelism: DTensor module plans, `tensor_parallel.py`
+    3. expert parallelism (EP > 1, ETP > 1, or a capacity factor): the routed experts swapped for their EP share
+       (under ETP each expert's hidden width split over the TP group too), `expert_parallel.py`
+    4. activation checkpointing per block: `full` (keep each block's input, recompute the rest) or `selective`
        (keep the GEMM, attention, scan and collective outputs; recompute norms and activation functions)
-    4. torch.compile per block (`train.compile`): each block's forward compiled in place, so parameter names stay
-    5. FSDP2 `fully_shard` per block (the MTP block as one), then the embedding, norm_f, lm_head and the root (each
+    5. torch.compile per block (`train.compile`): each block's forward compiled in place, so parameter names stay
+    6. FSDP2 `fully_shard` per block (the MTP block as one), then the embedding, norm_f, lm_head and the root (each
        pipeline stage's view under PP), each with a `MixedPrecisionPolicy`; lm_head's gradient is reduced in fp32
        unless `grad_accum_dtype` is bf16
 
@@ -102,16 +103,16 @@ def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str =
         from hybridtron.dist.pipeline import cut_for_rank
 
         stage_indices, cuts, num_stages = cut_for_rank(model, parallel, seq_len)
+    if layout is not None and layout.cp > 1:  # before TP, which wraps the forward of the class it finds
+        from hybridtron.dist.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, parallel.group("cp"))
     if layout is not None and layout.tp > 1:
         from hybridtron.dist.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, parallel)
     if layout is not None and (layout.ep > 1 or layout.etp > 1 or parallel.config.ep_capacity_factor > 0):
         apply_expert_parallel(model, parallel.meshes["ep_etp"], parallel.config.ep_capacity_factor)
-    if layout is not None and layout.cp > 1:
-        from hybridtron.dist.context_parallel import apply_context_parallel
-
-        apply_context_parallel(model, parallel.group("cp"))
     for parent, key in _all_blocks(model):
         block = _wrap(_get(parent, key), recompute)
         if compile:
