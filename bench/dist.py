@@ -51,7 +51,8 @@ from hybridtron.train.objectives import PretrainObjective
 GRAD_ACCUM = 2
 LAYOUTS = {1: ["dp_shard=1"],
            2: ["dp_shard=2", "tp=2", "ep=2", "pp=2", "cp=2"],
-           4: ["dp_shard=4", "tp=2", "ep=4", "pp=2", "tp=2,ep=2", "cp=4", "dp_shard=2,cp=2", "cp=2,tp=2"]}
+           4: ["dp_shard=4", "tp=2", "ep=4", "pp=2", "tp=2,ep=2", "cp=4", "dp_shard=2,cp=2", "cp=2,tp=2",
+               "cp=2,pp=2"]}
 
 
 class Batches:

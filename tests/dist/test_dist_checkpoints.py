@@ -126,6 +126,19 @@ def test_a_world_4_checkpoint_resumes_on_two_processes_with_context_parallelism(
 
 
 @pytest.mark.timeout(600)
+def test_a_world_4_checkpoint_resumes_with_context_and_pipeline_parallelism(runs, tmp_path):
+    """PP 2 x TP 2 -> CP 2 x PP 2: each pipeline carries the ids past its share that MTP reads, and the validation
+    loss, computed on the last stage, is a mean over both shares' targets. Also a pipeline resumed in another
+    layout: each stage keeps its own optimizer groups (the checkpoint's group 0 is one stage's)."""
+    root, cache = runs
+    resumed = interrupted_copy(root / "world4", tmp_path / "cp2pp2", keep_step=4)
+    run(4, resumed, cache, "--resume", "--set", "dist.tp=1", "--set", "dist.cp=2")
+    got, want = records(resumed), records(root / "single")
+    assert "val_loss" in got[STEPS] and any(key.startswith("mtp_loss_") for key in got[STEPS])
+    assert_same_curve(got, want, range(5, STEPS + 1))
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", [["--set", "dist.tp=2"], ["--set", "dist.tp=2", "--set", "dist.etp=2"]],
                          ids=["tp", "tp_etp"])
 def test_a_single_process_checkpoint_resumes_on_two_processes_with_tp(runs, tmp_path, layout):

@@ -1,7 +1,7 @@
 """Every parallel layout trains exactly as one process does on the same global batches: FSDP2, TP (with sequence
 parallelism), EP (dropless and capacity-limited), PP (1F1B and interleaved), CP, ETP (each expert's width split
 over the TP group) on 2 processes and DP x TP x EP with and without ETP, DP x CP x EP, CP 4 (shares of 8
-positions, so the Mamba conv and scan cross shares every chunk) and CP x TP (x EP) on 4,
+positions, so the Mamba conv and scan cross shares every chunk), CP x TP (x EP) and CP x PP (x EP) on 4,
 with activation checkpointing and compile composed in, 10 steps each on gloo: losses and gradient norms equal to
 1e-5 (fp32), token and expert counts equal. NVFP4 emulation composes too: under TP each rank quantizes its own
 weight shard (with its own amax), so the losses are close to one process's, not equal. lm_head's gradient is
@@ -96,9 +96,10 @@ def test_layouts_on_two_processes_match_one_process(tmp_path, reference, nvfp4_r
 
 
 # DP 2 x TP 2 x EP 2 (dp_shard takes the rest), the same with ETP 2, DP 2 x CP 2 x EP 2, CP 4, CP 2 x TP 2 (each cp
-# share cut into TP sequence shards) with and without EP 2; PP 2 x TP 2 on 4 processes: test_dist_checkpoints.py
+# share cut into TP sequence shards) with and without EP 2, CP 2 x PP 2 (1F1B; interleaved with EP 2); PP 2 x TP 2
+# on 4 processes: test_dist_checkpoints.py
 WORLD_4 = ["tp=2,ep=2", "tp=2,etp=2,ep=2", "dp_shard=2,cp=2,ep=2", "cp=4", "cp=2,tp=2",
-           "cp=2,tp=2,ep=2,recompute=selective"]
+           "cp=2,tp=2,ep=2,recompute=selective", "cp=2,pp=2", "cp=2,pp=2,ep=2,pp_schedule=interleaved-1f1b"]
 
 
 @pytest.mark.timeout(300)

@@ -18,6 +18,7 @@ swaps those modules' classes for the forms below (their parameters and names sta
 Under TP as well, these forms are swapped in first and TP then runs them on its local shards
 (`tensor_parallel.LocalShardParallel`): each TP rank's mixer sees the whole cp share of its own heads and Mamba
 groups, and exchanges them with the cp ranks of its TP coordinate (the cp group is the mesh's cp dimension).
+Under PP each pipeline is one cp coordinate's, and carries its share's following ids (`pipeline.Pipeline.step`).
 
 Shares are contiguous, not zig-zag: the Mamba state passes from share to share in order, so causal attention's
 work is unbalanced across ranks (the last share attends to the most keys); for a hybrid model whose attention is a

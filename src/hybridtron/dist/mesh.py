@@ -67,9 +67,6 @@ def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batc
         if not context_parallel:
             raise ValueError(f"dist.cp={layout.cp}: context parallelism splits pretraining's fixed-length sequences; "
                              f"this command's batches are not split by position; use cp=1")
-        if layout.pp > 1:
-            raise ValueError(f"dist.cp={layout.cp} with pp={layout.pp}: context parallelism is implemented with data, "
-                             f"tensor and expert parallelism only; use pp=1 with cp > 1")
         if layout.tp > 1 and seq_len % (layout.cp * layout.tp):
             raise ValueError(f"data.seq_len {seq_len} does not split over cp {layout.cp} x tp {layout.tp} (each cp "
                              f"share is cut into tp sequence shards)")

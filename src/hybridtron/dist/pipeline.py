@@ -14,10 +14,11 @@ A `StageView` per stage runs that stage's part of `HybridLM.forward`:
     last stage     ... -> norm_f -> lm_head (logits), and the MTP depths (their logits)
 
 The embeddings travel with the hidden state because the MTP block on the last stage reads them (token t + k's
-embedding at depth k). A step runs the step's `grad_accum` micro-batches through the schedule as its
-micro-batches (so grad_accum >= pp, the planner's rule); the objective's loss runs on the last stage, its
-metrics are broadcast from there, and each MoE layer's expert counts are summed over the micro-batches by a
-forward hook.
+embedding at depth k). Under CP the first stage embeds the ids that follow the share as well (HybridLM's
+`following_ids`), so the embeddings run `lookahead` positions past the hidden state. A step runs the step's
+`grad_accum` micro-batches through the schedule as its micro-batches (so grad_accum >= pp, the planner's rule);
+the objective's loss runs on the last stage, its metrics are broadcast from there, and each MoE layer's expert
+counts are summed over the micro-batches by a forward hook.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from hybridtron.config import ModelConfig
 from hybridtron.dist.costs import cluster_for
 from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.plan import Workload, pipeline_stages
+from hybridtron.ops.cross_entropy import cross_entropy_sum_and_count
 
 
 class AbsentLayer(nn.Module):
@@ -62,6 +64,7 @@ class StageView(nn.Module):
         self.config = model.config
         self.first, self.last = first, last
         self.carries_embeddings = model.config.has_mtp
+        self.lookahead = 0  # under CP: how many ids past the share the first stage embeds (`Pipeline.step`)
         self.layer_indices = layers
         self.layers = nn.ModuleList(model.backbone.layers[i] for i in layers)
         if first:
@@ -70,9 +73,9 @@ class StageView(nn.Module):
             self.norm_f, self.lm_head, self.mtp = model.backbone.norm_f, model.lm_head, model.mtp
 
     def forward(self, *inputs):
-        if self.first:
+        if self.first:  # under CP the ids run `lookahead` past the share: MTP's, as HybridLM's following_ids
             embeddings = self.embeddings(inputs[0])
-            hidden = embeddings
+            hidden = embeddings[:, :embeddings.shape[1] - self.lookahead] if self.lookahead else embeddings
         else:
             hidden = inputs[0]
             embeddings = inputs[1] if self.carries_embeddings else None
@@ -84,9 +87,10 @@ class StageView(nn.Module):
         hidden = self.norm_f(hidden)
         outputs = [self.lm_head(hidden)]
         if self.mtp is not None:  # as HybridLM.forward: depth k reads the embedding of token t + k
-            previous = hidden
+            previous, length = hidden, embeddings.shape[1] - self.lookahead
             for depth in range(1, self.config.mtp_num_depths + 1):
-                previous = self.mtp(previous, F.pad(embeddings[:, depth:], (0, 0, 0, depth)))
+                ahead = embeddings[:, depth:depth + length]
+                previous = self.mtp(previous, F.pad(ahead, (0, 0, 0, length - ahead.shape[1])))
                 outputs.append(self.lm_head(previous))
         return tuple(outputs)
 
@@ -127,31 +131,35 @@ class Pipeline:
                 self.counts[name] = counts if name not in self.counts else self.counts[name] + counts
         return hook
 
-    def stages(self, key: str, ids_shape: tuple[int, int]) -> list[PipelineStage]:
-        """Pipeline stages for micro-batches of `ids_shape`, with every stage's input and output shapes given
-        (static mode: no metadata inference, which would run a stage on placeholder data)."""
-        if (key, ids_shape) not in self._stages:
-            self._stages[(key, ids_shape)] = [
+    def stages(self, key: str, ids_shape: tuple[int, int], lookahead: int = 0) -> list[PipelineStage]:
+        """Pipeline stages for micro-batches of `ids_shape` (and, under CP, `lookahead` ids past each share),
+        with every stage's input and output shapes given (static mode: no metadata inference, which would run a
+        stage on placeholder data)."""
+        for view in self.views:
+            view.lookahead = lookahead
+        if (key, ids_shape, lookahead) not in self._stages:
+            self._stages[(key, ids_shape, lookahead)] = [
                 PipelineStage(view, index, self.num_stages, self.parallel.device, group=self.group,
-                              input_args=self._example(view, ids_shape, inputs=True),
-                              output_args=self._example(view, ids_shape, inputs=False))
+                              input_args=self._example(view, ids_shape, lookahead, inputs=True),
+                              output_args=self._example(view, ids_shape, lookahead, inputs=False))
                 for view, index in zip(self.views, self.stage_indices)]
-        return self._stages[(key, ids_shape)]
+        return self._stages[(key, ids_shape, lookahead)]
 
-    def _example(self, view: "StageView", ids_shape: tuple[int, int], inputs: bool) -> tuple[torch.Tensor, ...]:
-        """Meta tensors of a stage's inputs or outputs: ids, (hidden, embeddings) between stages (hidden
-        sequence-sharded under TP), the logits of the head and of each MTP depth out of the last."""
+    def _example(self, view: "StageView", ids_shape: tuple[int, int], lookahead: int, inputs: bool
+                 ) -> tuple[torch.Tensor, ...]:
+        """Meta tensors of a stage's inputs or outputs: ids (and the lookahead), (hidden, embeddings) between
+        stages (hidden sequence-sharded under TP), the logits of the head and of each MTP depth out of the last."""
         rows, length = ids_shape
         config, tp = self.model.config, self.parallel.layout.tp
         meta = dict(device="meta", dtype=torch.float32, requires_grad=True)  # activations carry gradients
         if inputs and view.first:
-            return (torch.empty(ids_shape, device="meta", dtype=torch.long),)
+            return (torch.empty(rows, length + lookahead, device="meta", dtype=torch.long),)
         if not inputs and view.last:
             depths = config.mtp_depths
             return tuple(torch.empty(rows, length, config.vocab_size, **meta) for _ in range(1 + depths))
         hidden = torch.empty(rows, length // tp, config.hidden_size, **meta)
-        return (hidden, torch.empty(rows, length, config.hidden_size, **meta)) if view.carries_embeddings \
-            else (hidden,)
+        embeddings = torch.empty(rows, length + lookahead, config.hidden_size, **meta)
+        return (hidden, embeddings) if view.carries_embeddings else (hidden,)
 
     def _schedule(self, stages, micro_batches: int, loss_fn, name: str):
         if name == "interleaved-1f1b":
@@ -159,12 +167,14 @@ class Pipeline:
         kind = Schedule1F1B if name == "1f1b" else ScheduleGPipe
         return kind(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn) -> dict[str, torch.Tensor]:
-        """Forward and backward of every micro-batch; `loss_fn(outputs, labels)` runs on the last stage. Returns
-        this rank's expert counts per router, summed over the micro-batches."""
-        ids = torch.cat([ids for ids, _ in micro_batches])
-        labels = torch.cat([labels for _, labels in micro_batches])
-        stages = self.stages("train", tuple(micro_batches[0][0].shape))
+    def step(self, micro_batches: list[tuple[torch.Tensor, ...]], loss_fn) -> dict[str, torch.Tensor]:
+        """Forward and backward of every micro-batch, (ids, labels) or under CP a share's (ids, labels, the ids
+        that follow it: `context_parallel.shard_sequence`); `loss_fn(outputs, labels)` runs on the last stage.
+        Returns this rank's expert counts per router, summed over the micro-batches."""
+        ids = torch.cat([torch.cat([ids, *following], dim=1) for ids, _, *following in micro_batches])
+        labels = torch.cat([labels for _, labels, *_ in micro_batches])
+        lookahead = ids.shape[1] - micro_batches[0][0].shape[1]
+        stages = self.stages("train", tuple(micro_batches[0][0].shape), lookahead)
         schedule = self._schedule(stages, len(micro_batches), loss_fn, self.schedule_name)
         self.counts = {}
         if 0 in self.stage_indices:
@@ -175,13 +185,20 @@ class Pipeline:
         return counts
 
     @torch.no_grad()
-    def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
-        """The next-token CE of one batch (no MTP), computed on the last stage and known to every rank."""
+    def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, sum_over_shares=None) -> float:
+        """The next-token CE of one batch (no MTP), computed on the last stage and known to every rank. Under CP
+        (`sum_over_shares`: a sum over the cp group) the batch is a share: the CE over all the shares' targets."""
         from hybridtron.model.lm import cross_entropy
+
+        def batch_loss(outputs, target):
+            if sum_over_shares is None:
+                return cross_entropy(outputs[0], target)
+            ce_sum, count = sum_over_shares(cross_entropy_sum_and_count(outputs[0], target))
+            return ce_sum / count
 
         losses: list[torch.Tensor] = []
         stages = self.stages("eval", tuple(input_ids.shape))
-        schedule = self._schedule(stages, 1, lambda outputs, target: cross_entropy(outputs[0], target), "gpipe")
+        schedule = self._schedule(stages, 1, batch_loss, "gpipe")
         if 0 in self.stage_indices:
             schedule.eval(input_ids, target=labels if self.holds_loss else None, losses=losses)
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridtron.ops.cross_entropy import IGNORE_INDEX
+from hybridtron.ops.cross_entropy import cross_entropy_sum_and_count
 
 
 class Evaluator:
@@ -50,7 +50,7 @@ class ValidationLoss(Evaluator):
         for input_ids, labels in self.batches:
             with trainer.autocast():
                 if pipeline is not None:
-                    total += pipeline.lm_loss(input_ids, labels)
+                    total += pipeline.lm_loss(input_ids, labels, self.sum_over_shares)
                 elif self.sum_over_shares is not None:
                     total += self._shared_lm_loss(model, input_ids, labels)
                 else:
@@ -61,11 +61,8 @@ class ValidationLoss(Evaluator):
         return {self.key: value}
 
     def _shared_lm_loss(self, model, input_ids, labels) -> float:
-        logits = model(input_ids, mtp=False).logits.float()
-        ce_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                                   reduction="sum")
-        sums = torch.stack([ce_sum.double(), (labels != IGNORE_INDEX).sum().double()])
-        ce_sum, count = self.sum_over_shares(sums).tolist()
+        ce_sum, count = self.sum_over_shares(cross_entropy_sum_and_count(model(input_ids, mtp=False).logits,
+                                                                         labels)).tolist()
         return ce_sum / count
 
     def state_dict(self):

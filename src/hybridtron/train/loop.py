@@ -157,7 +157,7 @@ class Trainer:
 
             with self.autocast():
                 counts = pipeline.step(micro_batches, last_stage_loss)
-            return metrics, sum(ids.numel() for ids, _ in micro_batches), counts
+            return metrics, sum(ids.numel() for ids, *_ in micro_batches), counts
         for micro_batch in micro_batches:
             with self.autocast():
                 out = self.objective(self.model, micro_batch)
@@ -332,7 +332,12 @@ class Trainer:
         optimizer_state = tensors["optimizer"]["state"]
         for name in [name for name in optimizer_state if f"optimizer.state.{name}.step" not in saved]:
             del optimizer_state[name]
+        own_groups = copy.deepcopy(tensors["optimizer"]["param_groups"])  # the load writes into these dicts
         state = CheckpointManager.load(path, self.checkpoint_state(tensors))  # loads in place into `tensors`
+        # The groups' hyperparameters come from the config (lr from the schedule at every step), so this rank's own
+        # groups stay: the checkpoint keys groups by index, and under PP every stage's group 0 is one key, which
+        # holds one stage's parameter list (another stage would drop its hyperparameters, then fail in AdamW)
+        tensors["optimizer"]["param_groups"] = own_groups
         set_state_dict(self.model, self.optimizer, model_state_dict=tensors["model"],
                        optim_state_dict=tensors["optimizer"],  # not strict: the fresh parameters above; a missing
                        options=StateDictOptions(strict=False))  # model tensor already failed in dcp.load
