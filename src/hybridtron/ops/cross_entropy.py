@@ -57,7 +57,7 @@ def cross_entropy_ref(logits_NV: torch.Tensor, targets_N: torch.Tensor,
 
 
 def cross_entropy_sum_and_count(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
-    """[the CE summed over the valid targets, their count] in float64 (no gradient): the two parts of a mean, for
+    """[the CE summed over the valid targets, their count] in float64, for evaluation: the two parts of a mean, for
     ranks that each hold a share of a batch's positions (context parallelism) to sum before dividing."""
     ce_sum = F.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), ignore_index=IGNORE_INDEX,
                              reduction="sum")
