@@ -132,9 +132,9 @@ class Pipeline:
         return hook
 
     def stages(self, key: str, ids_shape: tuple[int, int], lookahead: int = 0) -> list[PipelineStage]:
-        """Pipeline stages for micro-batches of `ids_shape` (and, under CP, `lookahead` ids past each share),
-        with every stage's input and output shapes given (static mode: no metadata inference, which would run a
-        stage on placeholder data)."""
+        """Pipeline stages for micro-batches of `ids_shape` (and, under CP, `lookahead` ids past each share, which
+        every view is told), with every stage's input and output shapes given (static mode: no metadata inference,
+        which would run a stage on placeholder data)."""
         for view in self.views:
             view.lookahead = lookahead
         if (key, ids_shape, lookahead) not in self._stages:

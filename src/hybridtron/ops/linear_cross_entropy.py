@@ -57,7 +57,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         safe_targets_N = targets_N.masked_fill(~valid_N, 0)
         grad_hidden_ND = torch.empty_like(hidden_ND)
         grad_weight_VD = torch.zeros_like(weight_VD, dtype=reduce_dtype)
-        # one block's logits, reused by every block: a new one each block would be paged in afresh each time
         logits_buffer = hidden_ND.new_empty(min(rows, hidden_ND.shape[0]), weight_VD.shape[0], dtype=reduce_dtype)
         loss = hidden_ND.new_zeros((), dtype=reduce_dtype)
         for start in range(0, hidden_ND.shape[0], rows):

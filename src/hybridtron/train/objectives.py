@@ -98,9 +98,9 @@ class PretrainObjective:
     CE means are weighted by its share of the micro-batch's valid targets, depth by depth, so the shares sum to the
     single-process means of the whole micro-batch. A micro-batch is (input ids, labels), or under context
     parallelism a share of one (`dist.context_parallel.shard_sequence`: its labels run on past its ids, and the ids
-    that follow it come third, for MTP). `compile_loss` (`train.compile`): the cross entropy over
-    the logits runs compiled (the per-block softmax and its gradient fused into one loop; the fused lm_head loss
-    stays eager). `fused_head=False`: always through the logits (bench/compile.py compares the two)."""
+    that follow it come third, for MTP). `compile_loss` (`train.compile`): the cross entropy over the logits runs
+    compiled (the per-block softmax and its gradient fused into one loop; the fused lm_head loss stays eager).
+    `fused_head=False`: always through the logits (bench/compile.py compares the two)."""
 
     headline = ("lm_loss", "ce")
 
