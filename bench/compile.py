@@ -1,6 +1,6 @@
 """`train.compile` against eager: the fp32 training step of bench22m, side by side, with tokens/s and MFU.
 
-    python bench/compile.py [--threads 1] [--clock cpu] [--repeats 5] [--batch 4] [--seq 512] [--logits]
+    python bench/compile.py [--threads 1] [--clock cpu] [--repeats 5] [--batch 4] [--seq 512] [--logits] [--gemm-share]
 
 Two copies of the same model (same weights, same batch): one eager with foreach AdamW (what `hybridtron pretrain`
 runs by default), one as `train.compile=true` runs it (every block, the MTP block included, compiled in place by
@@ -9,7 +9,9 @@ step; both apply lm_head inside the loss (`ops/linear_cross_entropy.py`, eager i
 steps with the loss on the model's logits instead (the compiled one on the same compiled modules). The compiled copy
 is warmed up first (its compile time is reported apart); then the repetitions alternate the steps, so all see the
 same machine load, and the table reports medians and their ratio to the eager step. MFU is against the fp32 matmul
-peak measured in the same run on the same clock (`bench/pretrain.py`'s model FLOPs per token).
+peak measured in the same run on the same clock (`bench/pretrain.py`'s model FLOPs per token). `--gemm-share`
+profiles one more eager step and reports the share of it spent in GEMM kernels, which compile runs unchanged:
+eager / (those GEMMs alone) is the most any compile of the step could give.
 """
 
 from __future__ import annotations
@@ -56,6 +58,21 @@ def make_step(model, compiled: bool, ids, labels, fused_head: bool = True):
     return step
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_grouped_mm")
+
+
+def gemm_share(step) -> tuple[float, float]:
+    """(seconds of one call of `step`, seconds of it inside GEMM kernels), from the profiler's self times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS)
+    return total / 1e6, gemm / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -64,6 +81,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--logits", action="store_true",
                         help="also time both steps with the loss on the model's logits (no fused lm_head + loss)")
+    parser.add_argument("--gemm-share", action="store_true",
+                        help="also profile an eager step: its GEMM time, the bound on any compile's speedup")
     clock.add_clock_argument(parser)
     args = parser.parse_args()
     clock.select(args.clock)
@@ -106,6 +125,10 @@ def main() -> None:
         median = statistics.median(values)
         print(f"| {name} | {median:.3f} | {tokens / median:.0f} | {tokens / median * flops / peak:.0%} | "
               f"{base / median:.2f}x |")
+    if args.gemm_share:
+        total, gemm = gemm_share(eager_step)
+        print(f"\neager step profiled: {total:.3f} s, {gemm:.3f} s in GEMM kernels ({gemm / total:.0%}); a step of "
+              f"those GEMMs alone would be {total / gemm:.2f}x the eager step")
 
 
 if __name__ == "__main__":

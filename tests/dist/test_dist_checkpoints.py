@@ -27,6 +27,7 @@ FAST = ["--preset", "tiny", "--quiet", "--set", "data.families=json,text", "--se
         "--set", "train.keep_checkpoints=10", "--set", "train.warmup_steps=2", "--set", "train.grad_accum=2",
         "--set", "train.threads=1"]
 TOLERANCE = 1e-5
+GRAD_NORM_TOLERANCE = 5e-5
 
 
 def command(world: int, out: Path, *extra: str, restarts: int = 0) -> list[str]:
@@ -53,13 +54,17 @@ def records(run_dir: Path) -> dict[int, dict]:
 
 
 def assert_same_curve(got: dict[int, dict], want: dict[int, dict], steps) -> None:
-    """Losses equal to 1e-5, the gradient norm (a sum over ranks in another order) to 1e-5 of itself."""
+    """Losses equal to 1e-5 x max(1, loss) and the gradient norm (a sum over ranks in another order) to
+    GRAD_NORM_TOLERANCE of itself. The fp32 rounding of a few steps' updates in another order of reductions is a
+    few 1e-6 of the loss, on some CPUs' GEMM kernels just over 1e-5 absolute; Adam's near-sign updates carry it
+    into the small late gradients, whose norm drifts to ~1e-5 of itself by step 6 (measured on an AVX2 EPYC:
+    0 at step 1, 2e-7 at 2, 6e-6 at 4, 1.07e-5 at 6). A lost or doubled shard moves both by percents."""
     for step in steps:
         for key in ("loss", "lm_loss", "mtp_loss_1", "mtp_loss_2", "val_loss", "grad_norm"):
             if key in want[step]:
-                scale = abs(want[step][key]) if key == "grad_norm" else 1.0
-                assert abs(got[step][key] - want[step][key]) <= TOLERANCE * scale, (
-                    step, key, got[step][key], want[step][key])
+                bound = GRAD_NORM_TOLERANCE * abs(want[step][key]) if key == "grad_norm" \
+                    else TOLERANCE * max(1.0, abs(want[step][key]))
+                assert abs(got[step][key] - want[step][key]) <= bound, (step, key, got[step][key], want[step][key])
 
 
 def interrupted_copy(run_dir: Path, target: Path, keep_step: int) -> Path:

@@ -1,4 +1,5 @@
-"""`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2, each rank
+"""`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2 (and CP 2, each
+rank training on half of every rollout's positions), each rank
 generates and grades (MOPD: and teacher-scores) its share of every step's rollouts and gathers the rest (inline
 roles, the synchronous mode), or rank 0 runs them all (the asynchronous mode's role process), every rank trains on
 its rows of each micro-batch, and the per-step
@@ -24,8 +25,8 @@ from test_grpo import _grpo, grpo_argv, policy_dir  # noqa: E402,F401  (policy_d
 from test_mopd import _mopd, models, mopd_argv  # noqa: E402,F401  (models: the fixture)
 
 TOLERANCE = 1e-5
-COMPARED = ("loss", "lm_loss", "val_loss", "trained_tokens", "policy_loss", "mtp_loss_1", "mtp_loss_2", "grad_norm", "reward_mean", "groups_trained",
-            "policy_tokens", "completion_tokens", "entropy", "is_mismatch", "reverse_kl", "pass_at_1",
+COMPARED = ("loss", "lm_loss", "val_loss", "trained_tokens", "policy_loss", "mtp_loss_1", "mtp_loss_2", "grad_norm",
+            "reward_mean", "groups_trained", "policy_tokens", "kl", "clip_fraction", "completion_tokens", "entropy", "is_mismatch", "reverse_kl", "pass_at_1",
             "eval_mean_reward")
 
 
@@ -59,13 +60,22 @@ def assert_same_steps(world2: list[dict], single: list[dict]) -> None:
     assert compared > 10
 
 
+def layout_args(*settings: str) -> list[str]:
+    return [arg for setting in settings for arg in ("--set", setting)]
+
+
+# DP 2 x EP 2 in both rollout modes; CP 2 x EP 2 (each rank half of every rollout's positions, the MTP depths
+# reading on into the other half), with the frozen reference's KL logged (its copy exchanges over the cp group too)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode, rollout_ranks", [((), 2), (("--set", "grpo.async_rollouts=true"), 1)],
-                         ids=["sync_split_rollouts", "async_rank0_rollouts"])
-def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, rollout_ranks):
+@pytest.mark.parametrize("mode, layout, rollout_ranks", [
+    ((), ("dist.ep=2",), 2),
+    (("--set", "grpo.async_rollouts=true"), ("dist.ep=2",), 1),
+    (("--set", "grpo.reference_kl=true"), ("dist.cp=2", "dist.ep=2"), 2),
+], ids=["sync_split_rollouts", "async_rank0_rollouts", "cp2_reference_kl"])
+def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, layout, rollout_ranks):
     extra = ("--steps", "3", "--set", "train.lr=1e-3", *mode)
     assert _grpo(policy_dir, tmp_path / "single", *extra) == 0
-    torchrun(grpo_argv(policy_dir, tmp_path / "world2", *extra, "--set", "dist.ep=2"), timeout=280)
+    torchrun(grpo_argv(policy_dir, tmp_path / "world2", *extra, *layout_args(*layout)), timeout=280)
     single, world2 = records(tmp_path / "single"), records(tmp_path / "world2")
     assert ranks(world2) == {rollout_ranks} and ranks(single) == {1}
     assert any(r.get("groups_trained", 0) > 0 for r in single)  # the policy loss did train
@@ -77,24 +87,28 @@ def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, r
 
 
 @pytest.mark.timeout(300)
-def test_mopd_with_its_warmup_on_two_processes_matches_one_process(models, tmp_path):
+@pytest.mark.parametrize("layout", [("dist.ep=2",), ("dist.cp=2",)], ids=["dp2_ep2", "cp2"])
+def test_mopd_with_its_warmup_on_two_processes_matches_one_process(models, tmp_path, layout):
     extra = ("--steps", "2", "--set", "mopd.warmup_steps=2", "--set", "train.lr=1e-3")
     assert _mopd(models, tmp_path / "single", *extra) == 0
-    torchrun(mopd_argv(models, tmp_path / "world2", *extra, "--set", "dist.ep=2"), timeout=280)
+    torchrun(mopd_argv(models, tmp_path / "world2", *extra, *layout_args(*layout)), timeout=280)
     assert ranks(records(tmp_path / "world2")) == {2}  # rollouts and teacher scores split over the ranks
     assert_same_steps(records(tmp_path / "world2"), records(tmp_path / "single"))
     assert_same_steps(records(tmp_path / "world2" / "warmup"), records(tmp_path / "single" / "warmup"))
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("dist.pp=2", "dist.pp=2: GRPO's learner shards over dp and ep"),
-    ("dist.tp=2", "dist.tp=2: routing replay is not supported under tensor parallelism"),
+    (["dist.pp=2"], "dist.pp=2: GRPO's learner shards over dp, cp and ep"),
+    (["dist.tp=2"], "dist.tp=2: routing replay is not supported under tensor parallelism"),
+    (["dist.cp=2", "grpo.aggregation=sequence_mean"], "dist.cp=2: grpo.aggregation=sequence_mean needs each whole "
+                                                      "sequence on one rank"),
+    (["dist.cp=2", "grpo.correction_level=sequence"], "dist.cp=2: grpo.correction_level=sequence needs each whole"),
 ])
 def test_an_rl_layout_it_cannot_run_fails_before_writing_anything(policy_dir, tmp_path, capsys, monkeypatch,
                                                                    setting, message):
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; no process group is built before the check
     out = tmp_path / "grpo"
-    assert _grpo(policy_dir, out, "--set", setting) == 2
+    assert _grpo(policy_dir, out, *layout_args(*setting)) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
 

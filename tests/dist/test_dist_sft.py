@@ -1,5 +1,5 @@
-"""`torchrun ... -m hybridtron sft` shards the learner as pretraining does: on 2 processes with DP 2 x EP 2 the
-per-step losses, trained-token counts, gradient norms and held-out losses are those of one process on the same
+"""`torchrun ... -m hybridtron sft` shards the learner as pretraining does: on 2 processes with DP 2 x EP 2 and with
+CP 2 x EP 2 the per-step losses, trained-token counts, gradient norms and held-out losses are those of one process on the same
 global batches (1e-5, fp32), rank 0 alone writes the run directory, and a bad layout fails before anything is
 written. (GRPO and MOPD: test_dist_rl.py.)"""
 
@@ -55,17 +55,26 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="module")
+def single_run(base_model, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sft_single") / "run"
+    with pytest.warns(UserWarning, match="SFT data"):  # long conversations truncated to the short test rows
+        assert cli_main(["sft", "--model", str(base_model), "--out", str(out), *FAST]) == 0
+    return out
+
+
+# DP 2 x EP 2; CP 2 x EP 2 (each rank holds half of every packed row's positions, the MTP depths reading on into
+# the next half: the per-step losses and held-out loss of one process are sums over the two halves)
 @pytest.mark.timeout(240)
-@pytest.mark.filterwarnings("ignore:SFT data")  # long conversations truncated to the short test rows
-def test_sft_on_two_processes_matches_one_process(base_model, tmp_path):
-    assert cli_main(["sft", "--model", str(base_model), "--out", str(tmp_path / "single"), *FAST]) == 0
+@pytest.mark.parametrize("layout", [["dist.ep=2"], ["dist.cp=2", "dist.ep=2"]], ids=["dp2-ep2", "cp2-ep2"])
+def test_sft_on_two_processes_matches_one_process(base_model, single_run, tmp_path, layout):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "hybridtron", "sft", "--model", str(base_model), "--out", str(tmp_path / "world2"), *FAST,
-               "--set", "dist.ep=2"]
+               *[arg for setting in layout for arg in ("--set", setting)]]
     done = subprocess.run(command, capture_output=True, text=True, timeout=220,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-4000:]
-    single, world2 = records(tmp_path / "single"), records(tmp_path / "world2")
+    single, world2 = records(single_run), records(tmp_path / "world2")
     assert [r["step"] for r in world2] == [r["step"] for r in single]  # one writer: no line twice
     trained = [r for r in single if "loss" in r]
     assert len(trained) == STEPS and any("val_loss" in r for r in single)
@@ -74,8 +83,9 @@ def test_sft_on_two_processes_matches_one_process(base_model, tmp_path):
             if key in want:
                 scale = abs(want[key]) if key in ("grad_norm", "trained_tokens") else 1.0
                 assert abs(got[key] - want[key]) <= TOLERANCE * scale, (want["step"], key, got[key], want[key])
-    assert json.loads((tmp_path / "world2" / "run_config.json").read_text())["dist"]["ep"] == 2
-    ours, theirs = load_pretrained(tmp_path / "world2" / "hf"), load_pretrained(tmp_path / "single" / "hf")
+    saved = json.loads((tmp_path / "world2" / "run_config.json").read_text())["dist"]
+    assert all(saved[setting.split("=")[0][len("dist."):]] == 2 for setting in layout)
+    ours, theirs = load_pretrained(tmp_path / "world2" / "hf"), load_pretrained(single_run / "hf")
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     assert (tmp_path / "world2" / "hf" / "tokenizer_config.json").is_file()
 

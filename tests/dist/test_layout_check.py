@@ -29,7 +29,7 @@ def test_dp_shard_takes_the_rest_of_the_world(small_config):
     (DistConfig(pp=4), 4, 4, "2 micro-batches per DP rank < pp 4 (1F1B needs one per stage)"),
     (DistConfig(dp_shard=3), 3, 4, "8 sequences per iteration do not split over dp 3 x micro-batch 1"),
     (DistConfig(dp_shard=4), 4, 6, "data.batch_size 6 does not split over dp_replicate x dp_shard = 4"),
-    (DistConfig(cp=2), 2, 4, "context parallelism splits pretraining's fixed-length sequences"),
+    (DistConfig(cp=2), 2, 4, "context parallelism splits the fixed-length rows of pretraining and SFT"),
     (DistConfig(tp=2, etp=2), 2, 4, None),  # valid: each expert's width split over the TP group
     (DistConfig(etp=2), 2, 4, "etp 2 is neither 1 nor tp 1"),
     (DistConfig(tp=2, etp=2, ep=4), 4, 4, "ep 4 x etp 2 does not divide dp_shard x cp x tp = 4"),

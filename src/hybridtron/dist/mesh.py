@@ -65,8 +65,8 @@ def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batc
                          f"each TP rank seq_len / tp positions)")
     if layout.cp > 1:
         if not context_parallel:
-            raise ValueError(f"dist.cp={layout.cp}: context parallelism splits pretraining's fixed-length sequences; "
-                             f"this command's batches are not split by position; use cp=1")
+            raise ValueError(f"dist.cp={layout.cp}: context parallelism splits the fixed-length rows of pretraining "
+                             f"and SFT; this command's batches are not split by position; use cp=1")
         if layout.tp > 1 and seq_len % (layout.cp * layout.tp):
             raise ValueError(f"data.seq_len {seq_len} does not split over cp {layout.cp} x tp {layout.tp} (each cp "
                              f"share is cut into tp sequence shards)")

@@ -69,6 +69,17 @@ class DataParallelBatches:
         self.batches.load_state_dict(state)
 
 
+def held_out_shares(batches: list, parallel: Parallel | None):
+    """(held-out (input_ids, labels) batches, a sum over the ranks that share them) for an evaluator: under context
+    parallelism each batch cut to this rank's share of its positions (no lookahead: evaluation scores the next
+    token only) and the cp group's sum, which puts a batch's CE sum and target count back together; otherwise the
+    batches unchanged and None."""
+    if parallel is None or parallel.layout.cp == 1:
+        return batches, None
+    rank, size = parallel.coordinate("cp"), parallel.layout.cp
+    return [shard_sequence(ids, labels, rank, size, 0)[:2] for ids, labels in batches], parallel.sum_over_context
+
+
 def step_metrics(parallel: Parallel, metrics: list[dict[str, torch.Tensor]], tokens: int
                  ) -> tuple[dict[str, float], int]:
     """The step's metrics and token count for the global batch, on every rank: each rank's shares (means over its

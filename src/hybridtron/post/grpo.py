@@ -329,7 +329,7 @@ class RolloutObjective:
         self.config, self.loss_config = config, config.loss_config()
         self.mtp_depths = mtp_depths if config.mtp_loss_weight > 0 else 0
         self.data_sum = parallel.sum_over_data if parallel is not None else None
-        self.data_ranks = parallel.layout.dp if parallel is not None else 1
+        self.data_ranks = parallel.layout.dp * parallel.layout.cp if parallel is not None else 1  # sum_over_data's
         self.counts: list[float] = []  # row_counts' values, then the MTP targets of each depth
         self.micro_batches = 1
 
@@ -339,10 +339,9 @@ class RolloutObjective:
     def begin_step(self, micro_batches) -> None:
         import torch
 
-        from hybridtron.model.lm import mtp_targets
         from hybridtron.ops.cross_entropy import IGNORE_INDEX
 
-        rows = [self.row_counts(mb) + [(mtp_targets(mb.labels, d) != IGNORE_INDEX).sum()
+        rows = [self.row_counts(mb) + [(mb.mtp_targets(d) != IGNORE_INDEX).sum()
                                        for d in range(1, self.mtp_depths + 1)] for mb in micro_batches]
         device = micro_batches[0].labels.device  # a collective's tensor lives on the run's device (NCCL: CUDA)
         counts = torch.tensor([[float(x) for x in row] for row in rows], dtype=torch.float64, device=device).sum(dim=0)
@@ -380,14 +379,13 @@ class GRPOObjective(RolloutObjective):
     def policy_logprobs(self, model, mb):
         """(the model's output, log-probs [B, L] of the labels) of one micro-batch, with routing replay."""
         replay = mb.expert_ids if self.config.routing_replay else None
-        out = model(mb.input_ids, expert_ids=replay, mtp=self.mtp_depths > 0)
+        out = model(mb.input_ids, expert_ids=replay, mtp=self.mtp_depths > 0, following_ids=mb.following_ids)
         cfg = self.config
         return out, sampled_logprobs(out.logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
 
     def __call__(self, model, mb):
         import torch
 
-        from hybridtron.model.lm import mtp_targets
         from hybridtron.post.losses import (grpo_loss, masked_mean, mismatch_metrics, rollout_correction,
                                             token_entropy)
         from hybridtron.post.sft import sft_loss
@@ -419,7 +417,7 @@ class GRPOObjective(RolloutObjective):
             _, policy_metrics = grpo_loss(logp.detach(), logp.detach(), mb.advantages, mask, 1.0, loss_cfg,
                                           rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy)
         loss = policy_loss
-        mtp_losses = [sft_loss(logits, mtp_targets(mb.labels, depth), self.counts[2 + depth])
+        mtp_losses = [sft_loss(logits, mb.mtp_targets(depth), self.counts[2 + depth])
                       for depth, logits in enumerate(out.mtp_logits[:self.mtp_depths], start=1)]
         if mtp_losses:
             loss = loss + cfg.mtp_loss_weight * torch.stack(mtp_losses).mean()
@@ -559,7 +557,7 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     # under torchrun: every rank trains on its rows of each micro-batch; the rollouts are split over the ranks
     # (inline roles) or run on rank 0 (roles in processes or Ray actors): RolloutBatches
     parallel = start_parallel(config.dist, model_config, **learner_layout(
-        config.dist, model_config, rows=rows, seq_len=seq_len, routing_replay=grpo.routing_replay, what="GRPO"))
+        config.dist, model_config, grpo, rows=rows, seq_len=seq_len, what="GRPO"))
     quiet = quiet or (parallel is not None and not parallel.is_main)
     tokenizer = load_chat_tokenizer(config.base_model, vocab_size=model_config.vocab_size)
     prepare_process(train, model_config, rows * seq_len, stream)
@@ -568,6 +566,12 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     reference = None
     if grpo.kl_coef > 0 or grpo.reference_kl:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
+        if parallel is not None:  # a whole copy on every rank (under CP, exchanging over the cp group as the policy)
+            from hybridtron.dist.context_parallel import apply_context_parallel
+
+            reference.to(parallel.device)
+            if parallel.layout.cp > 1:
+                apply_context_parallel(reference, parallel.group("cp"))
     async_mode = grpo.async_rollouts
     staleness = grpo.staleness if async_mode else 0
     backend = grpo.rollout_backend if async_mode else "inline"
@@ -598,8 +602,7 @@ def check_inputs(config: GRPORunConfig) -> None:
     from hybridtron.post.rollout import learner_layout, load_env
 
     rows, seq_len = micro_batch_shape(config)
-    learner_layout(config.dist, config.model, rows=rows, seq_len=seq_len, routing_replay=config.grpo.routing_replay,
-                   what="GRPO")
+    learner_layout(config.dist, config.model, config.grpo, rows=rows, seq_len=seq_len, what="GRPO")
 
     load_chat_tokenizer(config.base_model, vocab_size=config.model.vocab_size, require_template=True)
     try:

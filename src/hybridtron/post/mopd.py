@@ -376,7 +376,6 @@ class MOPDObjective(RolloutObjective):
     def __call__(self, model, mb):
         import torch
 
-        from hybridtron.model.lm import mtp_targets
         from hybridtron.post.grpo import sampled_logprobs
         from hybridtron.post.losses import masked_mean, mopd_loss, token_entropy, topk_reverse_kl
         from hybridtron.post.sft import sft_loss
@@ -390,7 +389,8 @@ class MOPDObjective(RolloutObjective):
         if loss_cfg.kl_top_k and TEACHER_TOPK_IDS not in mb.scores:
             raise ValueError(f"mopd.kl_top_k={loss_cfg.kl_top_k}, but the teacher-scoring role sent no top-K tokens "
                              "(it was built with top_k=0)")
-        out = model(mb.input_ids, expert_ids=mb.expert_ids if cfg.routing_replay else None, mtp=self.mtp_depths > 0)
+        out = model(mb.input_ids, expert_ids=mb.expert_ids if cfg.routing_replay else None, mtp=self.mtp_depths > 0,
+                    following_ids=mb.following_ids)
         logp = sampled_logprobs(out.logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
         mask, teacher = mb.completion_mask, mb.scores[TEACHER_SCORE]
         total_tokens, total_sequences = self.counts[0], self.counts[1]
@@ -405,7 +405,7 @@ class MOPDObjective(RolloutObjective):
                                                 behav_logp=mb.rollout_logprobs, topk_kl=topk_kl)
         loss = policy_loss
         depth_counts = self.counts[2 + len(self.domains):]
-        mtp_losses = [sft_loss(logits, mtp_targets(mb.labels, depth), depth_counts[depth - 1])
+        mtp_losses = [sft_loss(logits, mb.mtp_targets(depth), depth_counts[depth - 1])
                       for depth, logits in enumerate(out.mtp_logits[:self.mtp_depths], start=1)]
         if mtp_losses:
             loss = loss + cfg.mtp_loss_weight * torch.stack(mtp_losses).mean()
@@ -605,7 +605,7 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
     # under torchrun: every rank trains on its rows; the rollout and teacher roles split their work over the ranks
     # (inline roles) or run on rank 0 (roles in processes or Ray actors): RolloutBatches
     parallel = start_parallel(config.dist, model_config, **learner_layout(
-        config.dist, model_config, rows=rows, seq_len=seq_len, routing_replay=mopd.routing_replay, what="MOPD"))
+        config.dist, model_config, mopd, rows=rows, seq_len=seq_len, what="MOPD"))
     quiet = quiet or (parallel is not None and not parallel.is_main)
     tokenizer = load_chat_tokenizer(student_dir, vocab_size=model_config.vocab_size)
     prepare_process(train, model_config, rows * seq_len, stream)
@@ -633,8 +633,7 @@ def check_inputs(config: MOPDRunConfig) -> None:
     from hybridtron.post.rollout import learner_layout
 
     rows, seq_len = micro_batch_shape(config)
-    learner_layout(config.dist, config.model, rows=rows, seq_len=seq_len, routing_replay=config.mopd.routing_replay,
-                   what="MOPD")
+    learner_layout(config.dist, config.model, config.mopd, rows=rows, seq_len=seq_len, what="MOPD")
     student = Path(config.student)
     load_chat_tokenizer(student, vocab_size=config.model.vocab_size, require_template=True)
     panel = config.panel

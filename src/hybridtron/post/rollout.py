@@ -389,7 +389,10 @@ class RolloutMicroBatch:
     trained [B]: False for rows of groups whose rewards all agree (they carry no signal and are kept out of the
     policy loss); valid [B, L]: not padding; expert_ids {router: [B, L, K]} (padding: experts 0..K-1); scores
     {name: [B, L, ...]}; stats: the batch's rollout statistics (the same for every micro-batch of the step); domains:
-    each row's task domain (per-domain metrics: MOPD's reverse KL to each domain's teacher)."""
+    each row's task domain (per-domain metrics: MOPD's reverse KL to each domain's teacher). Under context
+    parallelism a micro-batch is one share of the rows' positions (`share`): following_ids and following_labels
+    [B, <= D] are the ids and labels after it, which the MTP depths at its last positions read and are scored
+    against (None for whole rows)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -401,10 +404,20 @@ class RolloutMicroBatch:
     scores: dict[str, torch.Tensor]
     stats: dict[str, float]
     domains: list[str] = field(default_factory=list)
+    following_ids: torch.Tensor | None = None
+    following_labels: torch.Tensor | None = None
 
     @property
     def completion_mask(self) -> torch.Tensor:
         return self.labels != IGNORE_INDEX
+
+    def mtp_targets(self, depth: int) -> torch.Tensor:
+        """MTP depth `depth`'s targets [B, L] (`hybridtron.model.lm.mtp_targets`), a share's last ones completed by
+        the labels after it."""
+        from hybridtron.train.objectives import window_targets
+
+        labels = self.labels if self.following_labels is None else torch.cat([self.labels, self.following_labels], 1)
+        return window_targets(labels, depth, self.labels.shape[1])
 
     @property
     def policy_mask(self) -> torch.Tensor:
@@ -451,15 +464,40 @@ class RolloutMicroBatch:
             scores={k: take(v) for k, v in self.scores.items()}, stats=self.stats, domains=self.domains[start:stop])
 
 
-def shard_micro_batch(mb: RolloutMicroBatch, parallel, pad_id: int = 0) -> RolloutMicroBatch:
-    """This rank's rows of a micro-batch under data parallelism: padded to whole rows per data-parallel rank (and,
-    with TP, to positions that split over the TP ranks), then split by the data-parallel rank."""
-    ranks, tp = parallel.layout.dp, parallel.layout.tp
+    def share(self, rank: int, size: int, lookahead: int) -> "RolloutMicroBatch":
+        """Share `rank` of `size` of every row's positions (context parallelism,
+        `hybridtron.dist.context_parallel.shard_sequence`), with the `lookahead` ids and labels after it."""
+        from hybridtron.dist.context_parallel import shard_sequence
+
+        input_ids, labels_ahead, following_ids = shard_sequence(self.input_ids, self.labels, rank, size, lookahead)
+        length = input_ids.shape[1]
+        start = rank * length
+
+        def cut(tensor):
+            return tensor[:, start:start + length]
+
+        return RolloutMicroBatch(
+            input_ids=input_ids, labels=labels_ahead[:, :length], rollout_logprobs=cut(self.rollout_logprobs),
+            advantages=self.advantages, trained=self.trained, valid=cut(self.valid),
+            expert_ids=None if self.expert_ids is None else {k: cut(v) for k, v in self.expert_ids.items()},
+            scores={k: cut(v) for k, v in self.scores.items()}, stats=self.stats, domains=self.domains,
+            following_ids=following_ids, following_labels=labels_ahead[:, length:])
+
+
+def shard_micro_batch(mb: RolloutMicroBatch, parallel, pad_id: int = 0, *, lookahead: int = 0,
+                      min_share: int = 1) -> RolloutMicroBatch:
+    """This rank's part of a micro-batch: padded to whole rows per data-parallel rank and to positions that split
+    over cp x tp (each CP share at least `min_share` long: the Mamba conv reads the previous share's last inputs),
+    then this data-parallel rank's rows, and under CP its share of their positions with the `lookahead` (the
+    model's MTP depths) ids and labels after it. Padding at the end of a row changes nothing before it."""
+    ranks, tp, cp = parallel.layout.dp, parallel.layout.tp, parallel.layout.cp
     B, L = mb.input_ids.shape
-    per_rank = -(-B // ranks)
-    mb = mb.padded(per_rank * ranks, -(-L // tp) * tp, pad_id)
+    per_rank, split = -(-B // ranks), cp * tp
+    length = max(L, cp * min_share) if cp > 1 else L
+    mb = mb.padded(per_rank * ranks, -(-length // split) * split, pad_id)
     start = parallel.data_rank * per_rank
-    return mb.rows(start, start + per_rank, parallel.device)
+    mb = mb.rows(start, start + per_rank, parallel.device)
+    return mb.share(parallel.coordinate("cp"), cp, lookahead) if cp > 1 else mb
 
 
 def pack_micro_batches(batch: RolloutBatch, micro_batches: int, pad_id: int = 0) -> list[RolloutMicroBatch]:
@@ -607,7 +645,9 @@ class RolloutBatches:
         batch.stats = stats
         micro_batches = pack_micro_batches(batch, self.grad_accum, self.pad_id)
         if self.parallel is not None:
-            micro_batches = [shard_micro_batch(mb, self.parallel, self.pad_id) for mb in micro_batches]
+            config = self.trainer.model.config
+            micro_batches = [shard_micro_batch(mb, self.parallel, self.pad_id, lookahead=config.mtp_depths,
+                                               min_share=config.conv_kernel - 1) for mb in micro_batches]
         return micro_batches
 
     def _next_batch(self, weights) -> RolloutBatch:
@@ -650,25 +690,36 @@ class RolloutBatches:
             self.role_states = state["role_states"]
 
 
-def learner_layout(dist_config, model_config, *, rows: int, seq_len: int, routing_replay: bool, what: str) -> dict:
-    """The `start_parallel` arguments of an RL learner (GRPO, MOPD) whose micro-batches hold `rows` rollouts of up
-    to `seq_len` positions, after the checks of `dist.mesh.check_run_layout` (rows and positions are padded to
-    whole shares, so only the structural rules apply) and the RL learner's own: no pipeline parallelism (the
-    objective runs the model itself, with routing replay, which a pipeline schedule cannot), and no routing replay
-    under TP. A ValueError names the setting; no process group is built."""
+def learner_layout(dist_config, model_config, learner_config, *, rows: int, seq_len: int, what: str) -> dict:
+    """The `start_parallel` arguments of an RL learner (GRPO, MOPD; `learner_config` its [grpo] or [mopd] section)
+    whose micro-batches hold `rows` rollouts of up to `seq_len` positions, after the checks of
+    `dist.mesh.check_run_layout` (rows and positions are padded to whole shares, so only the structural rules apply)
+    and the RL learner's own: no pipeline parallelism (the objective runs the model itself, with routing replay,
+    which a pipeline schedule cannot), no routing replay under TP, and under CP only the token-level loss (a
+    sequence-level aggregation or correction needs each whole sequence on one rank). A ValueError names the
+    setting; no process group is built."""
     from hybridtron.dist.mesh import Layout, check_run_layout, world_from_env
 
     world = world_from_env()[0]
     layout = Layout(**dist_config.degrees(world))
+    section = what.lower()
     if layout.pp > 1:
-        raise ValueError(f"dist.pp={layout.pp}: {what}'s learner shards over dp and ep (and tp); its objective runs "
-                         "the model itself (routing replay, per-token rollout log-probs), which a pipeline schedule "
-                         "does not; use pp=1")
-    if layout.tp > 1 and routing_replay:
+        raise ValueError(f"dist.pp={layout.pp}: {what}'s learner shards over dp, cp and ep (and tp); its objective "
+                         "runs the model itself (routing replay, per-token rollout log-probs), which a pipeline "
+                         "schedule does not; use pp=1")
+    if layout.tp > 1 and learner_config.routing_replay:
         raise ValueError(f"dist.tp={layout.tp}: routing replay is not supported under tensor parallelism; set "
-                         f"{what.lower()}.routing_replay=false or dist.tp=1")
-    sizes = dict(batch_size=-(-rows // layout.dp) * layout.dp, grad_accum=1,
-                 seq_len=-(-seq_len // layout.tp) * layout.tp)
+                         f"{section}.routing_replay=false or dist.tp=1")
+    if layout.cp > 1:
+        for name in ("aggregation", "correction_level"):
+            value = getattr(learner_config, name)
+            if value.startswith("sequence"):
+                raise ValueError(f"dist.cp={layout.cp}: {section}.{name}={value} needs each whole sequence on one "
+                                 f"rank, and under context parallelism a rank holds a share of its positions; use "
+                                 f"the token-level default or dist.cp=1")
+    split = layout.cp * layout.tp * (2 if layout.cp > 1 else 1)  # whole shares, and the planner's head-and-tail rule
+    sizes = dict(batch_size=-(-rows // layout.dp) * layout.dp, grad_accum=1, seq_len=-(-seq_len // split) * split,
+                 context_parallel=True)
     check_run_layout(dist_config, model_config, world, **sizes)
     return sizes
 

@@ -22,8 +22,9 @@ The recipe (Nemotron 3 Ultra's first post-training stage, at any scale):
   for bit, metrics.jsonl and progress bar; validation is the held-out conversations' masked CE (`HeldOutLoss`), at
   step 0, every `train.val_every` steps and at the end.
 - Under torchrun (`torchrun --nproc-per-node N -m hybridtron sft ...`) the `[dist]` section lays the model out
-  as pretraining does (hybridtron.dist: FSDP2, TP, EP, PP); each data-parallel rank trains on its rows of every
-  micro-batch and the token mean is over the whole global batch, so the losses are those of one process.
+  as pretraining does (hybridtron.dist: FSDP2, TP, EP, PP, CP); each data-parallel rank trains on its rows of every
+  micro-batch (under CP its share of their positions) and the token mean is over the whole global batch, so the
+  losses are those of one process.
 - [model] is the checkpoint's (its config.json); SFT does not change it. [train] has SFT's own defaults
   (`SFT_TRAIN`: 800 steps, peak LR 2e-3 after a 10-step warmup, the last 20% decaying), [sft] rows of 256 tokens.
 
@@ -231,7 +232,8 @@ class SFTObjective:
 
         from hybridtron.train.objectives import target_counts
 
-        counts = torch.stack([target_counts(labels_BT, self.mtp_depths) for _, labels_BT in micro_batches]).sum(0)
+        counts = torch.stack([target_counts(labels_BT, self.mtp_depths, input_ids.shape[1])
+                              for input_ids, labels_BT, *_ in micro_batches]).sum(0)
         if self.data_sum is not None:  # one all-reduce a step
             counts = self.data_sum(counts.double())
         self.counts = counts.tolist()
@@ -240,8 +242,9 @@ class SFTObjective:
     def __call__(self, model, micro_batch):
         from hybridtron.train.objectives import router_counts
 
-        input_ids, labels = micro_batch
-        out = model(input_ids)  # logits, the MTP depths' logits, expert counts; the loss is ours
+        input_ids, labels, *following = micro_batch  # under CP a share: its labels run on past its ids
+        ahead = {"following_ids": following[0]} if following else {}
+        out = model(input_ids, **ahead)  # logits, the MTP depths' logits, expert counts; the loss is ours
         result = self.loss_from_outputs(model, (out.logits, *out.mtp_logits), labels)
         result.tokens, result.expert_counts = input_ids.numel(), router_counts(model, out)
         return result
@@ -251,34 +254,38 @@ class SFTObjective:
         a pipeline's last stage calls; the expert counts are then the pipeline's to collect)."""
         import torch
 
-        from hybridtron.model.lm import mtp_targets
         from hybridtron.ops.cross_entropy import IGNORE_INDEX
-        from hybridtron.train.objectives import ObjectiveOutput
+        from hybridtron.train.objectives import ObjectiveOutput, window_targets
 
         logits, *mtp_logits = outputs
-        lm_loss = sft_loss(logits, labels_BT, self.counts[0])
-        mtp_losses = [sft_loss(depth_logits, mtp_targets(labels_BT, depth), self.counts[depth])
+        length = logits.shape[1]  # under CP `labels_BT` runs past the share (window_targets)
+        targets = window_targets(labels_BT, 0, length)
+        lm_loss = sft_loss(logits, targets, self.counts[0])
+        mtp_losses = [sft_loss(depth_logits, window_targets(labels_BT, depth, length), self.counts[depth])
                       for depth, depth_logits in enumerate(mtp_logits, start=1)]
         loss = lm_loss
         if mtp_losses:
             loss = loss + model.config.mtp_loss_weight * torch.stack(mtp_losses).mean()
         scale = self.micro_batches
-        trained = (labels_BT != IGNORE_INDEX).sum().double()
+        trained = (targets != IGNORE_INDEX).sum().double()
         metrics = {"loss": loss.detach() * scale, "lm_loss": lm_loss.detach() * scale,
                    **{f"mtp_loss_{d}": m.detach() * scale for d, m in enumerate(mtp_losses, start=1)},
                    "trained_tokens": trained * scale}
-        return ObjectiveOutput(loss, metrics, labels_BT.numel())
+        return ObjectiveOutput(loss, metrics, targets.numel())
 
 
 class HeldOutLoss:
     """An evaluator (hybridtron.train.evaluate): the masked next-token CE of the held-out conversations, summed
     over their trained tokens and divided by their count (not a mean of batch means: batches hold different
-    numbers of assistant tokens). The MTP depths apart, as pretraining's `ValidationLoss`."""
+    numbers of assistant tokens). The MTP depths apart, as pretraining's `ValidationLoss`.
+
+    `sum_over_shares` (context parallelism: each rank holds a share of every batch's positions): sums a tensor over
+    the ranks sharing the batches, so that the CE sum and the count are those of the whole conversations."""
 
     key = "val_loss"
 
-    def __init__(self, batches, every: int):
-        self.batches, self.every = batches, every
+    def __init__(self, batches, every: int, sum_over_shares=None):
+        self.batches, self.every, self.sum_over_shares = batches, every, sum_over_shares
         self.history: list[tuple[int, float]] = []
 
     def due(self, step: int, total_steps: int) -> bool:
@@ -287,7 +294,7 @@ class HeldOutLoss:
     def evaluate(self, trainer) -> dict[str, float]:
         import torch
 
-        from hybridtron.ops.cross_entropy import IGNORE_INDEX
+        from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum_and_count
 
         model = trainer.model
         was_training = model.training
@@ -295,16 +302,20 @@ class HeldOutLoss:
         parallel = getattr(trainer, "parallel", None)
         pipeline = parallel.pipeline if parallel is not None else None  # pp > 1: stage by stage
         device = parallel.device if parallel is not None else None
-        total, count = 0.0, 0
+        share_sum = self.sum_over_shares or (lambda tensor: tensor)
+        total, count = 0.0, 0.0
         with torch.no_grad():
             for input_ids, labels in self.batches:
                 if device is not None:
                     input_ids, labels = input_ids.to(device), labels.to(device)
-                n = int((labels != IGNORE_INDEX).sum())
                 with trainer.autocast():
-                    total += (pipeline.lm_loss(input_ids, labels) if pipeline is not None else
-                              float(model(input_ids, labels, mtp=False).lm_loss)) * n
-                count += n
+                    if pipeline is not None:  # the mean over the batch (all its shares), known to every stage
+                        n = float(share_sum((labels != IGNORE_INDEX).sum().double()))
+                        ce_sum = pipeline.lm_loss(input_ids, labels, self.sum_over_shares) * n
+                    else:
+                        ce_sum, n = share_sum(cross_entropy_sum_and_count(model(input_ids, mtp=False).logits,
+                                                                          labels)).tolist()
+                total, count = total + ce_sum, count + n
         model.train(was_training)
         value = total / count
         self.history.append((trainer.step, value))
@@ -350,6 +361,7 @@ def build_trainer(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, 
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
     from hybridtron.data.sft import build_sft_data
+    from hybridtron.dist.step import held_out_shares
     from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
 
     train, sft = config.train, config.sft
@@ -359,7 +371,7 @@ def build_trainer(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, 
     # under torchrun: every rank builds the same data and model; each data-parallel rank trains on its rows of
     # every micro-batch and the loss is normalised by the trained tokens of the whole global batch
     parallel = start_parallel(config.dist, model_config, batch_size=sft.batch_size, grad_accum=train.grad_accum,
-                              seq_len=sft.seq_len)
+                              seq_len=sft.seq_len, context_parallel=True)
     main = parallel is None or parallel.is_main
     quiet = quiet or not main
     tokenizer = load_chat_tokenizer(config.base_model, vocab_size=model_config.vocab_size)
@@ -373,7 +385,8 @@ def build_trainer(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, 
 
     model = load_pretrained(config.base_model, config=model_config, dtype=torch.float32)
     objective = SFTObjective(model_config.mtp_depths, data_sum=parallel.sum_over_data if parallel is not None else None)
-    evaluators = [HeldOutLoss(data.val_batches, train.val_every)] if data.val_batches else []
+    val_batches, sum_over_shares = held_out_shares(data.val_batches, parallel)  # under CP: this rank's shares
+    evaluators = [HeldOutLoss(val_batches, train.val_every, sum_over_shares)] if val_batches else []
     trainer = assemble_trainer(model, objective, data.train_loader, evaluators, train=train,
                                monitor_config=config.monitor, out=out, checkpoints=checkpoints, quiet=quiet,
                                stream=stream, parallel=parallel)
@@ -402,7 +415,8 @@ def run(args) -> int:
         print(config.to_toml(), end="")
         return 0
     check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=config.sft.batch_size,
-                     grad_accum=config.train.grad_accum, seq_len=config.sft.seq_len)  # before anything is written
+                     grad_accum=config.train.grad_accum, seq_len=config.sft.seq_len,
+                     context_parallel=True)  # before anything is written
     result = train_in_run_dir(args, config, SFTRunConfig.load, lambda out, checkpoints: build_trainer(
         config, out, checkpoints, quiet=args.quiet))
     if result is None:  # the run in --out was already complete

@@ -54,6 +54,7 @@ def build_trainer(config, out: Path, checkpoints, *, quiet: bool, stream=None):
     messages go to `stream`, by default the `sys.stderr` of the moment (not of import time: it may be redirected)."""
     stream = sys.stderr if stream is None else stream
     from hybridtron.data import build_data
+    from hybridtron.dist.step import held_out_shares
     from hybridtron.model.lm import HybridLM
     from hybridtron.train.evaluate import ValidationLoss
     from hybridtron.train.objectives import PretrainObjective
@@ -82,13 +83,7 @@ def build_trainer(config, out: Path, checkpoints, *, quiet: bool, stream=None):
     model = HybridLM(model_config)
     val_batches = data.val_batches if parallel is None else \
         [(ids.to(parallel.device), labels.to(parallel.device)) for ids, labels in data.val_batches]
-    sum_over_shares = None
-    if parallel is not None and parallel.layout.cp > 1:  # every rank its share of each sequence's positions
-        from hybridtron.dist.context_parallel import shard_sequence
-
-        cp_rank, cp = parallel.coordinate("cp"), parallel.layout.cp
-        val_batches = [shard_sequence(ids, labels, cp_rank, cp, 0)[:2] for ids, labels in val_batches]
-        sum_over_shares = parallel.sum_over_context
+    val_batches, sum_over_shares = held_out_shares(val_batches, parallel)  # under CP: this rank's shares
     objective = PretrainObjective(compile_loss=train.compile) if parallel is None else PretrainObjective(
         parallel.sum_over_data, model_config.mtp_depths, train.compile)
     validation = ValidationLoss(val_batches, train.val_every, sum_over_shares=sum_over_shares)
