@@ -1,6 +1,7 @@
 """`train.compile` against eager: the fp32 training step of bench22m, side by side, with tokens/s and MFU.
 
-    python bench/compile.py [--threads 1] [--clock cpu] [--repeats 5] [--batch 4] [--seq 512] [--logits] [--gemm-share]
+    python bench/compile.py [--threads 1] [--clock cpu] [--repeats 5] [--batch 4] [--seq 512] [--logits]
+                            [--gemm-share]
 
 Two copies of the same model (same weights, same batch): one eager with foreach AdamW (what `hybridtron pretrain`
 runs by default), one as `train.compile=true` runs it (every block, the MTP block included, compiled in place by
@@ -58,7 +59,8 @@ def make_step(model, compiled: bool, ids, labels, fused_head: bool = True):
     return step
 
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_grouped_mm")
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm",
+            "aten::_grouped_mm")
 
 
 def gemm_share(step) -> tuple[float, float]:

@@ -1,10 +1,10 @@
-"""`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2 (and CP 2, each
-rank training on half of every rollout's positions), each rank
-generates and grades (MOPD: and teacher-scores) its share of every step's rollouts and gathers the rest (inline
-roles, the synchronous mode), or rank 0 runs them all (the asynchronous mode's role process), every rank trains on
-its rows of each micro-batch, and the per-step
-losses, gradient norms, rollout statistics and held-out pass@1 are those of one process (1e-5, fp32); a layout
-the RL learner cannot run fails before anything is written; commands that run as one process refuse torchrun."""
+"""`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2 (and CP 2,
+each rank training on half of every rollout's positions), each rank generates and grades (MOPD: and
+teacher-scores) its share of every step's rollouts and gathers the rest (inline roles, the synchronous mode), or
+rank 0 runs them all (the asynchronous mode's role process), every rank trains on its rows of each micro-batch,
+and the per-step losses, gradient norms, rollout statistics and held-out pass@1 are those of one process (1e-5,
+fp32); a layout the RL learner cannot run fails before anything is written; commands that run as one process
+refuse torchrun."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from test_mopd import _mopd, models, mopd_argv  # noqa: E402,F401  (models: the 
 
 TOLERANCE = 1e-5
 COMPARED = ("loss", "lm_loss", "val_loss", "trained_tokens", "policy_loss", "mtp_loss_1", "mtp_loss_2", "grad_norm",
-            "reward_mean", "groups_trained", "policy_tokens", "kl", "clip_fraction", "completion_tokens", "entropy", "is_mismatch", "reverse_kl", "pass_at_1",
-            "eval_mean_reward")
+            "reward_mean", "groups_trained", "policy_tokens", "kl", "clip_fraction", "completion_tokens", "entropy",
+            "is_mismatch", "reverse_kl", "pass_at_1", "eval_mean_reward")
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -1,7 +1,7 @@
 """`torchrun ... -m hybridtron sft` shards the learner as pretraining does: on 2 processes with DP 2 x EP 2 and with
-CP 2 x EP 2 the per-step losses, trained-token counts, gradient norms and held-out losses are those of one process on the same
-global batches (1e-5, fp32), rank 0 alone writes the run directory, and a bad layout fails before anything is
-written. (GRPO and MOPD: test_dist_rl.py.)"""
+CP 2 x EP 2 the per-step losses, trained-token counts, gradient norms and held-out losses are those of one process
+on the same global batches (1e-5, fp32), rank 0 alone writes the run directory, and a bad layout fails before
+anything is written. (GRPO and MOPD: test_dist_rl.py.)"""
 
 from __future__ import annotations
 
@@ -84,7 +84,9 @@ def test_sft_on_two_processes_matches_one_process(base_model, single_run, tmp_pa
                 scale = abs(want[key]) if key in ("grad_norm", "trained_tokens") else 1.0
                 assert abs(got[key] - want[key]) <= TOLERANCE * scale, (want["step"], key, got[key], want[key])
     saved = json.loads((tmp_path / "world2" / "run_config.json").read_text())["dist"]
-    assert all(saved[setting.split("=")[0][len("dist."):]] == 2 for setting in layout)
+    for setting in layout:
+        name, value = setting.removeprefix("dist.").split("=")
+        assert saved[name] == int(value), (name, saved)
     ours, theirs = load_pretrained(tmp_path / "world2" / "hf"), load_pretrained(single_run / "hf")
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     assert (tmp_path / "world2" / "hf" / "tokenizer_config.json").is_file()

@@ -484,17 +484,26 @@ class RolloutMicroBatch:
             following_ids=following_ids, following_labels=labels_ahead[:, length:])
 
 
+def sharded_length(length: int, cp: int, tp: int, min_share: int) -> int:
+    """The positions a micro-batch of `length` is padded to so that it splits over cp x tp, each cp share at least
+    `min_share` long (the Mamba conv reads the previous share's last inputs), and under CP into the 2 x cp chunks
+    of the layout check's head-and-tail rule (`dist.plan.check_layout`)."""
+    if cp == 1:
+        return -(-length // tp) * tp
+    split = 2 * cp * tp
+    return -(-max(length, cp * min_share) // split) * split
+
+
 def shard_micro_batch(mb: RolloutMicroBatch, parallel, pad_id: int = 0, *, lookahead: int = 0,
                       min_share: int = 1) -> RolloutMicroBatch:
-    """This rank's part of a micro-batch: padded to whole rows per data-parallel rank and to positions that split
-    over cp x tp (each CP share at least `min_share` long: the Mamba conv reads the previous share's last inputs),
-    then this data-parallel rank's rows, and under CP its share of their positions with the `lookahead` (the
+    """This rank's part of a micro-batch: padded to whole rows per data-parallel rank and to `sharded_length`
+    positions (the layout check's rules for cp and tp; each CP share at least `min_share` long), then this
+    data-parallel rank's rows, and under CP its share of their positions with the `lookahead` (the
     model's MTP depths) ids and labels after it. Padding at the end of a row changes nothing before it."""
     ranks, tp, cp = parallel.layout.dp, parallel.layout.tp, parallel.layout.cp
     B, L = mb.input_ids.shape
-    per_rank, split = -(-B // ranks), cp * tp
-    length = max(L, cp * min_share) if cp > 1 else L
-    mb = mb.padded(per_rank * ranks, -(-length // split) * split, pad_id)
+    per_rank = -(-B // ranks)
+    mb = mb.padded(per_rank * ranks, sharded_length(L, cp, tp, min_share), pad_id)
     start = parallel.data_rank * per_rank
     mb = mb.rows(start, start + per_rank, parallel.device)
     return mb.share(parallel.coordinate("cp"), cp, lookahead) if cp > 1 else mb
@@ -717,9 +726,8 @@ def learner_layout(dist_config, model_config, learner_config, *, rows: int, seq_
                 raise ValueError(f"dist.cp={layout.cp}: {section}.{name}={value} needs each whole sequence on one "
                                  f"rank, and under context parallelism a rank holds a share of its positions; use "
                                  f"the token-level default or dist.cp=1")
-    split = layout.cp * layout.tp * (2 if layout.cp > 1 else 1)  # whole shares, and the planner's head-and-tail rule
-    sizes = dict(batch_size=-(-rows // layout.dp) * layout.dp, grad_accum=1, seq_len=-(-seq_len // split) * split,
-                 context_parallel=True)
+    sizes = dict(batch_size=-(-rows // layout.dp) * layout.dp, grad_accum=1, context_parallel=True,
+                 seq_len=sharded_length(seq_len, layout.cp, layout.tp, model_config.conv_kernel - 1))
     check_run_layout(dist_config, model_config, world, **sizes)
     return sizes
 
