@@ -49,10 +49,10 @@ TP8 = dict(num_attention_heads=8, num_key_value_heads=8, mamba_num_heads=8, n_gr
 
 @pytest.mark.parametrize("config, world, seq_len, model, reason", [
     (DistConfig(cp=2, ep=2), 2, 32, {}, None),  # valid where the run splits its sequences by position (pretraining)
-    (DistConfig(cp=2, tp=2), 4, 32, {}, None),  # each cp share cut into tp sequence shards
-    (DistConfig(cp=2, tp=8), 16, 72, TP8, r"data.seq_len 72 does not split over cp 2 x tp 8"),
+    (DistConfig(cp=2, tp=2), 4, 32, {}, None),  # each cp chunk cut into tp sequence shards
+    (DistConfig(cp=2, tp=8), 16, 48, TP8, r"data.seq_len 48 does not split over 2 x cp 2 x tp 8"),
     (DistConfig(cp=2, pp=2), 4, 32, {}, None),  # each pipeline carries its share (2 micro-batches per step)
-    (DistConfig(cp=16), 16, 32, {}, "leaves shares of 2 positions; the Mamba conv reads the previous 3"),
+    (DistConfig(cp=8), 8, 32, {}, "leaves chunks of 2 positions; the Mamba conv reads the previous 3"),
 ])
 def test_context_parallel_layouts_fail_with_their_reason(small_config, config, world, seq_len, model, reason):
     def run():

@@ -8,12 +8,13 @@ import copy
 import pytest
 import torch
 
-from hybridtron.dist.context_parallel import shard_sequence
+from hybridtron.dist.context_parallel import own_chunks, shard_sequence
 from hybridtron.dist.expert_parallel import expert_major_order
 from hybridtron.dist.parallelize import canonical_name, parallelize
 from hybridtron.dist.step import global_grad_norms
 from hybridtron.dist.tensor_parallel import Packing
-from hybridtron.model.lm import HybridLM
+from hybridtron.model.lm import PAST_END, HybridLM
+from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.train.stats import group_norms, parameter_group
 
 
@@ -123,15 +124,41 @@ def test_compiled_loss_is_the_models_loss(small_config, monkeypatch):
     assert abs(float(last_stage.loss) - float(eager.loss.detach())) <= 1e-6
 
 
-def test_a_context_parallel_share_carries_the_ids_and_labels_that_follow_it():
+def test_a_context_parallel_rank_holds_a_head_and_a_tail_chunk_with_what_follows_each():
     ids = torch.arange(24).reshape(2, 12)
     labels = ids + 100
-    first = shard_sequence(ids, labels, 0, 3, 2)
-    assert first[0].tolist() == [[0, 1, 2, 3], [12, 13, 14, 15]]
-    assert first[1].tolist() == [[100, 101, 102, 103, 104, 105], [112, 113, 114, 115, 116, 117]]
-    assert first[2].tolist() == [[4, 5], [16, 17]]
-    last = shard_sequence(ids, labels, 2, 3, 2)  # nothing follows the last share
-    assert last[0].tolist() == [[8, 9, 10, 11], [20, 21, 22, 23]]
-    assert last[1].tolist() == [[108, 109, 110, 111], [120, 121, 122, 123]] and last[2].shape == (2, 0)
-    with pytest.raises(ValueError, match="12 positions does not split over cp 5"):
-        shard_sequence(ids, labels, 0, 5, 2)
+    first = shard_sequence(ids, labels, 0, 3, 2)  # chunks 0 and 5 of 6, each sequence's two as two rows
+    assert first[0].tolist() == [[0, 1], [10, 11], [12, 13], [22, 23]]
+    assert first[1].tolist() == [[100, 101, 102, 103], [110, 111, IGNORE_INDEX, IGNORE_INDEX],
+                                 [112, 113, 114, 115], [122, 123, IGNORE_INDEX, IGNORE_INDEX]]
+    assert first[2].tolist() == [[2, 3], [PAST_END] * 2, [14, 15], [PAST_END] * 2]  # nothing follows the last
+    middle = shard_sequence(ids, labels, 1, 3, 2)  # chunks 1 and 4
+    assert middle[0].tolist() == [[2, 3], [8, 9], [14, 15], [20, 21]]
+    assert middle[2].tolist() == [[4, 5], [10, 11], [16, 17], [22, 23]]
+    # every rank's rows put back in sequence order are the whole sequence
+    shares = [shard_sequence(ids, labels, rank, 3, 0)[0] for rank in range(3)]
+    heads = [share[0::2] for share in shares]
+    tails = [share[1::2] for share in reversed(shares)]
+    assert torch.equal(torch.cat(heads + tails, dim=1), ids)
+    with pytest.raises(ValueError, match="12 positions does not split into the 2 x cp = 8 chunks of cp 4"):
+        shard_sequence(ids, labels, 0, 4, 2)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 32])
+def test_head_and_tail_chunks_give_every_rank_the_same_causal_attention_work(cp):
+    # a chunk c's queries read c + 1 chunks of keys (context_parallel.chunk_attention): 2 cp + 1 on every rank
+    held = [own_chunks(rank, cp) for rank in range(cp)]
+    assert sorted(c for chunks in held for c in chunks) == list(range(2 * cp))
+    assert {sum(c + 1 for c in chunks) for chunks in held} == {2 * cp + 1}
+
+
+def test_past_end_following_ids_embed_as_zeros_as_the_end_of_a_whole_sequence_pads(small_config):
+    model = HybridLM(small_config()).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        whole = model(ids)
+        window = model(ids, following_ids=torch.full((2, model.config.mtp_num_depths), PAST_END))
+    for got, want in zip([window.logits, *window.mtp_logits], [whole.logits, *whole.mtp_logits]):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"following_ids must lie in \[0, vocab_size=128\) or PAST_END \(-1\)"):
+        model(ids, following_ids=torch.full((2, 1), -2))

@@ -1,30 +1,35 @@
-"""Context parallelism (`dist.cp`): each of the cp ranks of a group holds one contiguous share of every sequence.
+"""Context parallelism (`dist.cp`): each of the cp ranks of a group holds a head and a tail chunk of every sequence.
 
-Everything that acts token by token (norms, MLPs, MoE, the loss) runs on the local share unchanged. Only the three
-places where a position reads earlier positions exchange data over the cp group, and `apply_context_parallel`
-swaps those modules' classes for the forms below (their parameters and names stay):
+A sequence of L positions is cut into 2 x cp chunks of L / (2 cp); rank r holds chunks r and 2 cp - 1 - r, as two
+rows of its micro-batch (`shard_sequence`: [B, L] -> [2B, L / (2 cp)], each sequence's head chunk then its tail
+chunk). Causal attention's work grows with a chunk's place in the sequence, so the pairs even it out: every rank's
+queries read 2 cp + 1 chunks of keys (contiguous shares would give the last rank cp times the first's work, and
+2 cp / (cp + 1) times the mean that every step waits on; bench/cp_balance.py).
 
-- Attention (`ContextParallelAttention`): the keys and values of the whole sequence are all-gathered; each rank's
-  queries attend to them under the causal mask shifted by the share's offset. (Ring attention would overlap the
-  exchange with compute; the all-gather is what torchtitan's allgather CP rotation does, and is exact.)
-- Mamba-2 (`ContextParallelMamba2Mixer`): the scan is linear in its state, so each share scans from a zero state,
-  then the shares' final states and total decays are all-gathered and each rank adds what the state entering its
-  share contributes: y_t += exp(sum of a up to t) C_t . S_in, with S_in the earlier shares' states carried through
-  their decays. The causal conv reads the previous share's last K-1 inputs (also all-gathered). This is the
+Everything that acts token by token (norms, MLPs, MoE, the loss) runs on the rows unchanged. Only the three places
+where a position reads earlier positions exchange data over the cp group, and `apply_context_parallel` swaps those
+modules' classes for the forms below (their parameters and names stay):
+
+- Attention (`ContextParallelAttention`): the keys and values of the whole sequence are all-gathered and put back
+  in sequence order (`sequence_chunks`); each chunk's queries attend to the keys up to its own end under the
+  causal mask shifted by its offset. (Ring attention would overlap the exchange with compute; the all-gather is
+  what torchtitan's allgather CP rotation does, and is exact.)
+- Mamba-2 (`ContextParallelMamba2Mixer`): the scan is linear in its state, so each chunk scans from a zero state,
+  then the chunks' final states and total decays are all-gathered and each chunk adds what the state entering it
+  contributes: y_t += exp(sum of a up to t) C_t . S_in, with S_in the earlier chunks' states carried through their
+  decays. The causal conv reads the previous chunk's last K-1 inputs (also all-gathered). This is the
   sequence-parallel scan of Mamba-2's paper (section 8), with the states passed by one all-gather.
-- MTP reads the embedding of token t+k: the data loader hands each share the ids that follow it
-  (`shard_sequence`), and the model embeds them itself (`HybridLM.forward(following_ids=...)`).
+- MTP reads the embedding of token t+k: the data loader hands each chunk the ids that follow it (`shard_sequence`;
+  `PAST_END` past the sequence's end, which the model embeds as zeros, as it pads the end of an unsharded
+  sequence), and the model embeds them itself (`HybridLM.forward(following_ids=...)`).
 
 Under TP as well, these forms are swapped in first and TP then runs them on its local shards
-(`tensor_parallel.LocalShardParallel`): each TP rank's mixer sees the whole cp share of its own heads and Mamba
-groups, and exchanges them with the cp ranks of its TP coordinate (the cp group is the mesh's cp dimension).
-Under PP each pipeline is one cp coordinate's, and carries its share's following ids (`pipeline.Pipeline.step`).
+(`tensor_parallel.LocalShardParallel`): each TP rank's mixer sees whole chunks of its own heads and Mamba groups,
+and exchanges them with the cp ranks of its TP coordinate (the cp group is the mesh's cp dimension). Under PP each
+pipeline is one cp coordinate's, and carries its chunks' following ids (`pipeline.Pipeline.step`).
 
-Shares are contiguous, not zig-zag: the Mamba state passes from share to share in order, so causal attention's
-work is unbalanced across ranks (the last share attends to the most keys); for a hybrid model whose attention is a
-few layers in ten that is the smaller cost. The all-gathers (`collectives.gather_shares`) sum their gradient over the
-ranks in the backward; every rank uses every gathered tensor in its graph, so every rank runs every backward
-collective, in the same order.
+The all-gathers (`collectives.gather_shares`) sum their gradient over the ranks in the backward; every rank uses
+every gathered tensor in its graph, so every rank runs every backward collective, in the same order.
 """
 
 from __future__ import annotations
@@ -36,8 +41,34 @@ from torch import nn
 
 from hybridtron.dist.collectives import gather_shares
 from hybridtron.model.attention import Attention
+from hybridtron.model.lm import PAST_END
 from hybridtron.model.mamba2 import Mamba2Mixer
+from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.ops.ssd import ssd_chunked
+
+
+def own_chunks(rank: int, size: int) -> tuple[int, int]:
+    """The chunks of a sequence (of 2 x `size`) that cp rank `rank` holds: its head and its tail."""
+    return rank, 2 * size - 1 - rank
+
+
+def chunk_rows(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s chunks of each row of `x` [B, L, ...] (positions on dim 1) as rows [2B, L / (2 size), ...]:
+    each row's head chunk, then its tail chunk."""
+    chunks = x.unflatten(1, (2 * size, -1))
+    return chunks[:, list(own_chunks(rank, size))].flatten(0, 1)
+
+
+def sequence_chunks(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's chunk rows (`chunk_rows`'s [2B, ...], this rank's) gathered over the cp group, in sequence
+    order: [2 cp, B, ...]. Differentiable: the backward sums each rank's gradient and returns this rank's rows'."""
+    gathered = gather_shares(rows[None], 0, group).unflatten(1, (-1, 2))  # [cp, B, 2 (head, tail), ...]
+    return torch.cat([gathered[:, :, 0], gathered[:, :, 1].flip(0)])  # heads in rank order, tails in reverse
+
+
+def own_rows(chunks: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The inverse of `sequence_chunks` for one rank: its two chunks of `chunks` [2 cp, B, ...] as rows [2B, ...]."""
+    return chunks[list(own_chunks(rank, size))].transpose(0, 1).flatten(0, 1)
 
 
 class _ContextParallel:
@@ -56,13 +87,28 @@ class _ContextParallel:
 class ContextParallelAttention(_ContextParallel, Attention):
     def forward(self, hidden_BTD: torch.Tensor, kv=None, lengths=None) -> torch.Tensor:
         self._check_training_forward(kv)
-        q, k, v = self.project(hidden_BTD)  # [B, heads, T, head_dim]
-        k_all, v_all = gather_shares(k, 2, self.cp_group), gather_shares(v, 2, self.cp_group)
-        length = q.shape[2]
-        positions_T = self.cp_rank * length + torch.arange(length, device=q.device)
-        visible_TS = torch.arange(k_all.shape[2], device=q.device)[None, :] <= positions_T[:, None]
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible_TS, enable_gqa=True)
+        q, k, v = self.project(hidden_BTD)  # [2B, heads, T, head_dim]: (head, tail) chunk rows
+        # the whole sequence's keys and values [B, heads, L, head_dim]
+        keys, values = (sequence_chunks(t, self.cp_group).movedim(0, 2).flatten(2, 3) for t in (k, v))
+        out = chunk_attention(q, keys, values, own_chunks(self.cp_rank, self.cp_size))
         return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+def chunk_attention(q_RHTD: torch.Tensor, keys_BHLD: torch.Tensor, values_BHLD: torch.Tensor,
+                    chunks: tuple[int, ...]) -> torch.Tensor:
+    """Causal attention of chunk rows over their whole sequences' keys and values: row b x len(chunks) + s of
+    `q_RHTD` holds the queries of chunk `chunks[s]` (T positions from chunks[s] x T) of sequence b. Each chunk's
+    queries read the keys up to its own end only, so a chunk's cost grows with its place in the sequence (what the
+    head-and-tail pairs balance: bench/cp_balance.py)."""
+    length, per_sequence = q_RHTD.shape[2], len(chunks)
+    outputs = []
+    for slot, chunk in enumerate(chunks):
+        end = (chunk + 1) * length
+        positions_T = chunk * length + torch.arange(length, device=q_RHTD.device)
+        visible_TS = torch.arange(end, device=q_RHTD.device)[None, :] <= positions_T[:, None]
+        outputs.append(F.scaled_dot_product_attention(q_RHTD[slot::per_sequence], keys_BHLD[:, :, :end],
+                                                      values_BHLD[:, :, :end], attn_mask=visible_TS, enable_gqa=True))
+    return torch.stack(outputs, 1).flatten(0, 1)  # back to the rows' order
 
 
 class ContextParallelMamba2Mixer(_ContextParallel, Mamba2Mixer):
@@ -79,31 +125,33 @@ class ContextParallelMamba2Mixer(_ContextParallel, Mamba2Mixer):
         return self.finish(y, x, z)
 
     def _previous_conv_inputs(self, xBC_BTC: torch.Tensor) -> torch.Tensor:
-        """The last K-1 conv inputs of the previous share [B, K-1, C] (zeros for the first share)."""
+        """The last K-1 conv inputs of the chunk before each row's [2B, K-1, C] (zeros for the first chunk)."""
         taps = self.conv1d.kernel_size[0] - 1
         if xBC_BTC.shape[1] < taps:
-            raise ValueError(f"context parallelism: a share of {xBC_BTC.shape[1]} positions is shorter than the conv's "
+            raise ValueError(f"context parallelism: a chunk of {xBC_BTC.shape[1]} positions is shorter than the conv's "
                              f"{taps} previous inputs; use a longer data.seq_len or a smaller dist.cp")
-        tails_BSC = gather_shares(xBC_BTC[:, -taps:], 1, self.cp_group)
-        shifted_BSC = torch.cat([torch.zeros_like(tails_BSC[:, :taps]), tails_BSC], dim=1)
-        return shifted_BSC[:, self.cp_rank * taps:(self.cp_rank + 1) * taps]
+        tails = sequence_chunks(xBC_BTC[:, -taps:], self.cp_group)  # [2 cp, B, K-1, C]
+        previous = torch.cat([torch.zeros_like(tails[:1]), tails[:-1]])
+        return own_rows(previous, self.cp_rank, self.cp_size)
 
     def _incoming_state_output(self, final_BHPN: torch.Tensor, a_BTH: torch.Tensor, C_BTGN: torch.Tensor
                                ) -> torch.Tensor:
-        """exp(cumsum a)_t * C_t . S_in [B, T, H, P]: the output of the state entering this share, S_in =
-        sum over earlier shares j of exp(the decays of shares j+1 .. rank-1) * final_j."""
-        finals_RBHPN = gather_shares(final_BHPN[None], 0, self.cp_group)
-        decays_RBH = gather_shares(a_BTH.sum(1)[None], 0, self.cp_group)  # each share's total log-decay
-        ranks_R = torch.arange(self.cp_size, device=a_BTH.device)
-        # the log-decay from the end of share j to the start of this one: the sum over the shares in between (a
+        """exp(cumsum a)_t * C_t . S_in [2B, T, H, P]: the output of the state entering each row's chunk c,
+        S_in = sum over earlier chunks j of exp(the decays of chunks j+1 .. c-1) * final_j."""
+        finals_JBHPN = sequence_chunks(final_BHPN, self.cp_group)
+        decays_JBH = sequence_chunks(a_BTH.sum(1), self.cp_group)  # each chunk's total log-decay
+        chunks_J = torch.arange(decays_JBH.shape[0], device=a_BTH.device)
+        own_S = torch.tensor(own_chunks(self.cp_rank, self.cp_size), device=a_BTH.device)
+        # the log-decay from the end of chunk j to the start of own chunk c: the sum over the chunks in between (a
         # masked sum, not a difference of prefix sums, which would round away small carries next to large ones)
-        between_RR = (ranks_R[:, None] < ranks_R[None, :]) & (ranks_R[None, :] < self.cp_rank)
-        log_carry_RBH = torch.einsum("ji,ibh->jbh", between_RR.to(decays_RBH.dtype), decays_RBH)
-        earlier_R11 = (ranks_R < self.cp_rank)[:, None, None]
-        carry_RBH = torch.exp(torch.where(earlier_R11, log_carry_RBH, float("-inf")))
-        incoming_BHPN = (carry_RBH[..., None, None] * finals_RBHPN).sum(0)
-        batch, length, heads = a_BTH.shape
-        groups = C_BTGN.shape[2]
+        after_j_JI = chunks_J[:, None] < chunks_J[None, :]
+        between_SJI = after_j_JI[None] & (chunks_J[None, None, :] < own_S[:, None, None])
+        log_carry_SJBH = torch.einsum("sji,ibh->sjbh", between_SJI.to(decays_JBH.dtype), decays_JBH)
+        earlier_SJ11 = (chunks_J[None, :] < own_S[:, None])[..., None, None]
+        carry_SJBH = torch.exp(torch.where(earlier_SJ11, log_carry_SJBH, float("-inf")))
+        incoming_SBHPN = torch.einsum("sjbh,jbhpn->sbhpn", carry_SJBH, finals_JBHPN)
+        incoming_BHPN = incoming_SBHPN.transpose(0, 1).flatten(0, 1)  # the rows' order
+        heads, groups = a_BTH.shape[2], C_BTGN.shape[2]
         incoming_BGJPN = incoming_BHPN.unflatten(1, (groups, heads // groups))
         out_BTGJP = torch.einsum("btgn,bgjpn->btgjp", C_BTGN, incoming_BGJPN)
         return out_BTGJP.flatten(2, 3) * torch.exp(a_BTH.cumsum(1))[..., None]
@@ -124,13 +172,22 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
 
 def shard_sequence(input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, rank: int, size: int, lookahead: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Share `rank` of `size` of a micro-batch: (its ids, its labels and the `lookahead` labels after them, the
-    `lookahead` ids after them). Past the sequence's end both run short; the model and the objective pad them as
-    they pad the end of an unsharded sequence. `lookahead` is the model's MTP depths: depth k at position t reads
-    token t+k and is scored against label t+k."""
+    """Rank `rank` of `size`'s part of a micro-batch, its two chunks of each row as rows (`chunk_rows`): (their ids
+    [2B, T], their labels and the `lookahead` labels after them [2B, T + lookahead], the `lookahead` ids after them
+    [2B, lookahead]), T = L / (2 size). Past the sequence's end the labels are IGNORE_INDEX and the ids PAST_END,
+    which the objective and the model treat as the end of an unsharded sequence. `lookahead` is the model's MTP
+    depths: depth k at position t reads token t+k and is scored against label t+k."""
     length = input_ids_BT.shape[1]
-    if length % size:
-        raise ValueError(f"context parallelism: a sequence of {length} positions does not split over cp {size}")
-    start, end = rank * length // size, (rank + 1) * length // size
-    return input_ids_BT[:, start:end], labels_BT[:, start:end + lookahead], input_ids_BT[:, end:end + lookahead]
+    if length % (2 * size):
+        raise ValueError(f"context parallelism: a sequence of {length} positions does not split into the 2 x cp = "
+                         f"{2 * size} chunks of cp {size}")
+    chunk = length // (2 * size)
 
+    def with_following(x_BT: torch.Tensor, fill: int) -> torch.Tensor:
+        """[B, 2 size, chunk + lookahead]: each chunk and the `lookahead` positions after it (`fill` past the end)."""
+        padded = F.pad(x_BT, (0, lookahead), value=fill)
+        return padded.unfold(1, chunk + lookahead, chunk)
+
+    ids, labels = with_following(input_ids_BT, PAST_END), with_following(labels_BT, IGNORE_INDEX)
+    ids, labels = (t[:, list(own_chunks(rank, size))].flatten(0, 1) for t in (ids, labels))
+    return ids[:, :chunk], labels, ids[:, chunk:]

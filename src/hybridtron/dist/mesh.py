@@ -47,9 +47,9 @@ def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batc
                      seq_len: int, context_parallel: bool = False) -> Layout:
     """The layout of `config` on `world` processes, or a ValueError with the reason it cannot run: the planner's
     structural rules first (`plan.check_layout`, the one-line reasons `hybridtron plan --layout` gives), then what
-    training itself needs (whole rows per data-parallel rank, whole sequence shards per TP and per CP rank), then
-    what it does not implement (context parallelism where the run does not take it, `context_parallel=False`,
-    or with TP or PP)."""
+    training itself needs (whole rows per data-parallel rank, whole sequence shards per TP rank, CP chunks that
+    split over TP and are no shorter than the conv's reach), then what it does not implement (context parallelism
+    where the run does not take it, `context_parallel=False`)."""
     config.validate()
     layout = Layout(**config.degrees(world))
     workload = Workload(seq_len=seq_len, tokens_per_iter=seq_len * batch_size * grad_accum,
@@ -67,12 +67,13 @@ def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batc
         if not context_parallel:
             raise ValueError(f"dist.cp={layout.cp}: context parallelism splits the fixed-length rows of pretraining "
                              f"and SFT; this command's batches are not split by position; use cp=1")
-        if layout.tp > 1 and seq_len % (layout.cp * layout.tp):
-            raise ValueError(f"data.seq_len {seq_len} does not split over cp {layout.cp} x tp {layout.tp} (each cp "
-                             f"share is cut into tp sequence shards)")
+        chunks = 2 * layout.cp
+        if layout.tp > 1 and seq_len % (chunks * layout.tp):
+            raise ValueError(f"data.seq_len {seq_len} does not split over 2 x cp {layout.cp} x tp {layout.tp} (each "
+                             f"of the 2 x cp head-and-tail chunks is cut into tp sequence shards)")
         taps = model.conv_kernel - 1
-        if seq_len // layout.cp < max(taps, 1):
-            raise ValueError(f"data.seq_len {seq_len} over cp {layout.cp} leaves shares of {seq_len // layout.cp} "
+        if seq_len // chunks < max(taps, 1):
+            raise ValueError(f"data.seq_len {seq_len} over 2 x cp {layout.cp} leaves chunks of {seq_len // chunks} "
                              f"positions; the Mamba conv reads the previous {taps}")
     return layout
 

@@ -14,11 +14,11 @@ A `StageView` per stage runs that stage's part of `HybridLM.forward`:
     last stage     ... -> norm_f -> lm_head (logits), and the MTP depths (their logits)
 
 The embeddings travel with the hidden state because the MTP block on the last stage reads them (token t + k's
-embedding at depth k). Under CP the first stage embeds the ids that follow the share as well (HybridLM's
-`following_ids`), so the embeddings run `lookahead` positions past the hidden state. A step runs the step's
-`grad_accum` micro-batches through the schedule as its micro-batches (so grad_accum >= pp, the planner's rule);
-the objective's loss runs on the last stage, its metrics are broadcast from there, and each MoE layer's expert
-counts are summed over the micro-batches by a forward hook.
+embedding at depth k). Under CP the first stage embeds the ids that follow each chunk as well (HybridLM's
+`following_ids`, PAST_END embedded as zeros), so the embeddings run `lookahead` positions past the hidden state.
+A step runs the step's `grad_accum` micro-batches through the schedule as its micro-batches (so grad_accum >= pp,
+the planner's rule); the objective's loss runs on the last stage, its metrics are broadcast from there, and each
+MoE layer's expert counts are summed over the micro-batches by a forward hook.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from hybridtron.config import ModelConfig
 from hybridtron.dist.costs import cluster_for
 from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.plan import Workload, pipeline_stages
+from hybridtron.model.lm import embed_ahead
 from hybridtron.ops.cross_entropy import cross_entropy_sum_and_count
 
 
@@ -73,8 +74,8 @@ class StageView(nn.Module):
             self.norm_f, self.lm_head, self.mtp = model.backbone.norm_f, model.lm_head, model.mtp
 
     def forward(self, *inputs):
-        if self.first:  # under CP the ids run `lookahead` past the share: MTP's, as HybridLM's following_ids
-            embeddings = self.embeddings(inputs[0])
+        if self.first:  # under CP the ids run `lookahead` past the chunk: MTP's, as HybridLM's following_ids
+            embeddings = embed_ahead(self.embeddings, inputs[0]) if self.lookahead else self.embeddings(inputs[0])
             hidden = embeddings[:, :embeddings.shape[1] - self.lookahead] if self.lookahead else embeddings
         else:
             hidden = inputs[0]

@@ -4,7 +4,8 @@ clipping over sharded gradients, and gathering the model for an export.
 Rows. The loader yields the global micro-batch on every rank (it is a pure function of its position, which is
 global, so a checkpoint taken at one world size resumes at any other); each data-parallel rank takes its
 contiguous batch_size / dp rows. TP and PP peers of a rank read the same rows. Under context parallelism each cp
-rank of those rows takes its contiguous seq_len / cp positions (`context_parallel.shard_sequence`).
+rank of those rows takes its head and tail chunks of seq_len / (2 cp) positions, as two rows each
+(`context_parallel.shard_sequence`).
 
 Norms. A gradient is a DTensor sharded over some mesh dimensions and replicated over the rest (or over ranks
 outside its mesh). Each rank sums the squares of its local shard, divided by how many ranks of its pipeline stage
@@ -29,8 +30,9 @@ from hybridtron.dist.state import canonical_full_state
 
 class DataParallelBatches:
     """A batch source whose micro-batches are this rank's rows of the global ones (module docstring), and under
-    context parallelism its share of their positions, with the `lookahead` (the model's MTP depths) ids and labels
-    after it. Its position is the wrapped source's, unchanged, so it is the same at every world size."""
+    context parallelism its chunks of their positions (two rows per row), with the `lookahead` (the model's MTP
+    depths) ids and labels after each. Its position is the wrapped source's, unchanged, so it is the same at every
+    world size."""
 
     def __init__(self, batches, parallel: Parallel, lookahead: int = 0):
         self.batches, self.parallel, self.lookahead = batches, parallel, lookahead
@@ -71,7 +73,7 @@ class DataParallelBatches:
 
 def held_out_shares(batches: list, parallel: Parallel | None):
     """(held-out (input_ids, labels) batches, a sum over the ranks that share them) for an evaluator: under context
-    parallelism each batch cut to this rank's share of its positions (no lookahead: evaluation scores the next
+    parallelism each batch cut to this rank's chunks of its positions (no lookahead: evaluation scores the next
     token only) and the cp group's sum, which puts a batch's CE sum and target count back together; otherwise the
     batches unchanged and None."""
     if parallel is None or parallel.layout.cp == 1:

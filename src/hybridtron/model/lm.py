@@ -54,6 +54,17 @@ class Backbone(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 
+# An id past the end of a sequence, among the ids that follow a window of it (`HybridLM.forward`'s following_ids):
+# embedded as zeros, as the positions past the end of a whole sequence are padded.
+PAST_END = -1
+
+
+def embed_ahead(embedding: nn.Module, ids_BT: torch.Tensor) -> torch.Tensor:
+    """The embeddings of `ids_BT` [B, T, D], zeros where an id is PAST_END."""
+    past_end = ids_BT == PAST_END
+    return embedding(ids_BT.masked_fill(past_end, 0)).masked_fill(past_end[..., None], 0.0)
+
+
 def mtp_targets(labels_BT: torch.Tensor, depth: int) -> torch.Tensor:
     """Depth-k targets: labels[t+k] where labels[t..t+k] are all valid, else IGNORE_INDEX."""
     valid = labels_BT != IGNORE_INDEX
@@ -125,17 +136,19 @@ class HybridLM(nn.Module):
         paths, `hybridtron.infer.fastpath`). `logits=False`: stop before lm_head (`logits` None, `mtp_logits` empty):
         `hidden` and `mtp_hidden` are what it would read, for a loss that applies it itself (no `labels` then).
         `following_ids` [B, <= mtp_num_depths]: the tokens after `input_ids` when they are a window of a longer
-        sequence (a context-parallel share, `hybridtron.dist.context_parallel`): MTP depth k at the window's last
-        positions reads their embeddings instead of the padding past an end."""
+        sequence (a context-parallel chunk, `hybridtron.dist.context_parallel`): MTP depth k at the window's last
+        positions reads their embeddings instead of the padding past an end; PAST_END where the sequence ends."""
         self._check_ids(input_ids)
         length, ids_ahead = input_ids.shape[1], input_ids
         if following_ids is not None:
-            self._check_ids(following_ids)
+            self._check_ids(following_ids, "following_ids", past_end=True)
             ids_ahead = torch.cat([input_ids, following_ids], dim=1)
         if labels is not None and not logits:
             raise ValueError("HybridLM.forward: labels need the logits (logits=False leaves the loss to the caller)")
-        embeddings_ahead = self.backbone.embeddings(ids_ahead)  # one call: the following ids' rows are MTP's alone
-        # (no slice of a whole window: a view would change the order autograd sums the embeddings' gradient in)
+        # one call: the following ids' rows are MTP's alone (no slice of a whole window: a view would change the
+        # order autograd sums the embeddings' gradient in)
+        embeddings_ahead = self.backbone.embeddings(ids_ahead) if following_ids is None else \
+            embed_ahead(self.backbone.embeddings, ids_ahead)
         hidden = embeddings = embeddings_ahead if following_ids is None else embeddings_ahead[:, :length]
         layer_states = cache.layers if cache is not None else [None] * len(self.backbone.layers)
         lengths = cache.lengths if cache is not None else None
@@ -188,14 +201,16 @@ class HybridLM(nn.Module):
         cache.lengths.add_(1)
         return self.lm_head(self.backbone.norm_f(hidden_BD))
 
-    def _check_ids(self, input_ids: torch.Tensor) -> None:
+    def _check_ids(self, input_ids: torch.Tensor, name: str = "input_ids", past_end: bool = False) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32):
-            raise ValueError(f"input_ids must be an integer tensor [batch, time], got {input_ids.dtype} "
+            raise ValueError(f"{name} must be an integer tensor [batch, time], got {input_ids.dtype} "
                              f"{tuple(input_ids.shape)}")
         if input_ids.numel():
             low, high = (int(v) for v in torch.aminmax(input_ids))
-            if low < 0 or high >= self.config.vocab_size:
-                raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got [{low}, {high}]")
+            if low < (PAST_END if past_end else 0) or high >= self.config.vocab_size:
+                allowed = f" or PAST_END ({PAST_END})" if past_end else ""
+                raise ValueError(f"{name} must lie in [0, vocab_size={self.config.vocab_size}){allowed}, "
+                                 f"got [{low}, {high}]")
 
     # ---------------------------------------------------------------------------------------- introspection
     def moe_layers(self) -> list[MoE]:

@@ -465,45 +465,47 @@ class RolloutMicroBatch:
 
 
     def share(self, rank: int, size: int, lookahead: int) -> "RolloutMicroBatch":
-        """Share `rank` of `size` of every row's positions (context parallelism,
-        `hybridtron.dist.context_parallel.shard_sequence`), with the `lookahead` ids and labels after it."""
-        from hybridtron.dist.context_parallel import shard_sequence
+        """Cp rank `rank` of `size`'s part of every row (context parallelism: its head and tail chunks of the row's
+        positions as two rows, `hybridtron.dist.context_parallel.shard_sequence`), with the `lookahead` ids and
+        labels after each chunk. A row's own values (advantage, trained, domain) go with both its chunks."""
+        from hybridtron.dist.context_parallel import chunk_rows, shard_sequence
 
         input_ids, labels_ahead, following_ids = shard_sequence(self.input_ids, self.labels, rank, size, lookahead)
         length = input_ids.shape[1]
-        start = rank * length
 
         def cut(tensor):
-            return tensor[:, start:start + length]
+            return chunk_rows(tensor, rank, size)
 
         return RolloutMicroBatch(
             input_ids=input_ids, labels=labels_ahead[:, :length], rollout_logprobs=cut(self.rollout_logprobs),
-            advantages=self.advantages, trained=self.trained, valid=cut(self.valid),
-            expert_ids=None if self.expert_ids is None else {k: cut(v) for k, v in self.expert_ids.items()},
-            scores={k: cut(v) for k, v in self.scores.items()}, stats=self.stats, domains=self.domains,
+            advantages=self.advantages.repeat_interleave(2), trained=self.trained.repeat_interleave(2),
+            valid=cut(self.valid), expert_ids=None if self.expert_ids is None else
+            {k: cut(v) for k, v in self.expert_ids.items()},
+            scores={k: cut(v) for k, v in self.scores.items()}, stats=self.stats,
+            domains=[domain for domain in self.domains for _ in range(2)],
             following_ids=following_ids, following_labels=labels_ahead[:, length:])
 
 
-def sharded_length(length: int, cp: int, tp: int, min_share: int) -> int:
-    """The positions a micro-batch of `length` is padded to so that it splits over cp x tp, each cp share at least
-    `min_share` long (the Mamba conv reads the previous share's last inputs), and under CP into the 2 x cp chunks
-    of the layout check's head-and-tail rule (`dist.plan.check_layout`)."""
+def sharded_length(length: int, cp: int, tp: int, min_chunk: int) -> int:
+    """The positions a micro-batch of `length` is padded to so that it splits over tp, and under CP into the 2 x cp
+    head-and-tail chunks of `dist.context_parallel` (each cut into tp sequence shards), each chunk at least
+    `min_chunk` long (the Mamba conv reads the previous chunk's last inputs)."""
     if cp == 1:
         return -(-length // tp) * tp
     split = 2 * cp * tp
-    return -(-max(length, cp * min_share) // split) * split
+    return -(-max(length, 2 * cp * min_chunk) // split) * split
 
 
 def shard_micro_batch(mb: RolloutMicroBatch, parallel, pad_id: int = 0, *, lookahead: int = 0,
-                      min_share: int = 1) -> RolloutMicroBatch:
+                      min_chunk: int = 1) -> RolloutMicroBatch:
     """This rank's part of a micro-batch: padded to whole rows per data-parallel rank and to `sharded_length`
-    positions (the layout check's rules for cp and tp; each CP share at least `min_share` long), then this
-    data-parallel rank's rows, and under CP its share of their positions with the `lookahead` (the
+    positions (the layout check's rules for cp and tp; each CP chunk at least `min_chunk` long), then this
+    data-parallel rank's rows, and under CP its chunks of their positions with the `lookahead` (the
     model's MTP depths) ids and labels after it. Padding at the end of a row changes nothing before it."""
     ranks, tp, cp = parallel.layout.dp, parallel.layout.tp, parallel.layout.cp
     B, L = mb.input_ids.shape
     per_rank = -(-B // ranks)
-    mb = mb.padded(per_rank * ranks, sharded_length(L, cp, tp, min_share), pad_id)
+    mb = mb.padded(per_rank * ranks, sharded_length(L, cp, tp, min_chunk), pad_id)
     start = parallel.data_rank * per_rank
     mb = mb.rows(start, start + per_rank, parallel.device)
     return mb.share(parallel.coordinate("cp"), cp, lookahead) if cp > 1 else mb
@@ -656,7 +658,7 @@ class RolloutBatches:
         if self.parallel is not None:
             config = self.trainer.model.config
             micro_batches = [shard_micro_batch(mb, self.parallel, self.pad_id, lookahead=config.mtp_depths,
-                                               min_share=config.conv_kernel - 1) for mb in micro_batches]
+                                               min_chunk=config.conv_kernel - 1) for mb in micro_batches]
         return micro_batches
 
     def _next_batch(self, weights) -> RolloutBatch:
