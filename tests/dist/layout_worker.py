@@ -12,27 +12,36 @@ reduced expert counts to OUT.json. `train(None, ...)` is the single-process refe
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest's small config
+from hybridtron.dist.config import DistConfig
+from hybridtron.dist.mesh import init_parallel
+from hybridtron.dist.parallelize import parallelize
+from hybridtron.dist.step import DataParallelBatches
+from hybridtron.model.lm import HybridLM
+from hybridtron.numerics.policy import convert_for_training
+from hybridtron.ops.cross_entropy import IGNORE_INDEX
+from hybridtron.train.hooks import Hook
+from hybridtron.train.loop import Trainer
+from hybridtron.train.config import TrainConfig
+from hybridtron.train.objectives import PretrainObjective
 
-from conftest import _small_config  # noqa: E402
 
-from hybridtron.dist.config import DistConfig  # noqa: E402
-from hybridtron.dist.mesh import init_parallel  # noqa: E402
-from hybridtron.dist.parallelize import parallelize  # noqa: E402
-from hybridtron.dist.step import DataParallelBatches  # noqa: E402
-from hybridtron.model.lm import HybridLM  # noqa: E402
-from hybridtron.numerics.policy import convert_for_training  # noqa: E402
-from hybridtron.ops.cross_entropy import IGNORE_INDEX  # noqa: E402
-from hybridtron.train.hooks import Hook  # noqa: E402
-from hybridtron.train.loop import Trainer  # noqa: E402
-from hybridtron.train.config import TrainConfig  # noqa: E402
-from hybridtron.train.objectives import PretrainObjective  # noqa: E402
+def _tests_conftest():
+    """tests/conftest.py as a module of its own name: under pytest `conftest` may name another directory's."""
+    path = Path(__file__).resolve().parents[1] / "conftest.py"
+    spec = importlib.util.spec_from_file_location("hybridtron_tests_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_small_config = _tests_conftest()._small_config
 
 BATCH, SEQ, GRAD_ACCUM, STEPS = 4, 32, 2, 10
 

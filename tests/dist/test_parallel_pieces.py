@@ -150,15 +150,3 @@ def test_head_and_tail_chunks_give_every_rank_the_same_causal_attention_work(cp)
     held = [own_chunks(rank, cp) for rank in range(cp)]
     assert sorted(c for chunks in held for c in chunks) == list(range(2 * cp))
     assert {sum(c + 1 for c in chunks) for chunks in held} == {2 * cp + 1}
-
-
-def test_past_end_following_ids_embed_as_zeros_as_the_end_of_a_whole_sequence_pads(small_config):
-    model = HybridLM(small_config()).eval()
-    ids = torch.randint(0, 128, (2, 8))
-    with torch.no_grad():
-        whole = model(ids)
-        window = model(ids, following_ids=torch.full((2, model.config.mtp_num_depths), PAST_END))
-    for got, want in zip([window.logits, *window.mtp_logits], [whole.logits, *whole.mtp_logits]):
-        assert torch.equal(got, want)
-    with pytest.raises(ValueError, match=r"following_ids must lie in \[0, vocab_size=128\) or PAST_END \(-1\)"):
-        model(ids, following_ids=torch.full((2, 1), -2))

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridtron.config import nano3, super3, ultra3
-from hybridtron.model.lm import IGNORE_INDEX, HybridLM, mtp_targets
+from hybridtron.model.lm import IGNORE_INDEX, PAST_END, HybridLM, mtp_targets
 
 
 # ------------------------------------------------------------------------------------------ labels convention
@@ -107,7 +107,10 @@ def test_following_ids_give_a_window_the_mtp_inputs_of_the_whole_sequence(small_
     with torch.no_grad():  # the last share: fewer following ids than depths, the rest padded as at an end
         short = model(ids[:, :16], logits=False, following_ids=ids[:, 16:17])
     torch.testing.assert_close(short.mtp_hidden[0], whole.mtp_hidden[0][:, :16])
-    with pytest.raises(ValueError, match="input_ids must lie in"):
+    with torch.no_grad():  # the end marked instead (a rank's tail chunk of the sequence): the same padding
+        marked = model(ids[:, :16], logits=False, following_ids=torch.cat([ids[:, 16:17], torch.full((2, 1), PAST_END)], 1))
+    torch.testing.assert_close(marked.mtp_hidden[1], short.mtp_hidden[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"following_ids must lie in \[0, vocab_size=\d+\) or PAST_END \(-1\)"):
         model(ids[:, :16], following_ids=torch.full((2, 2), config.vocab_size))
 
 

@@ -91,16 +91,20 @@ class Environment(ABC):
         rng = random.Random(f"{self.name or type(self).__name__}/{split}/{seed}")
         out: list[Task] = []
         seen: set[str] = set()
-        draws, max_draws = 0, 200 * n + 1000
+        draws = since_new = 0
         while len(out) < n:
-            if draws >= max_draws:
+            # the pool is taken to be spent when a long run of draws (10,000 + 100 for each task found so far; the
+            # built-in environments' longest gap is under 1,000 + 58 per task) brings nothing new: a request beyond
+            # it then fails in seconds, not after 200 draws for every task asked for
+            if since_new >= 100 * len(out) + 10_000 or draws >= 200 * n + 1000:
                 raise ValueError(f"environment {self.name!r}: only {len(out)} distinct {split} tasks after "
                                  f"{draws} draws, {n} asked for; ask for fewer or widen its levels")
-            draws += 1
+            draws, since_new = draws + 1, since_new + 1
             task = self.generate(rng)
             if task.id not in seen and split_of(task.prompt) == split:
                 seen.add(task.id)
                 out.append(task)
+                since_new = 0
         return out
 
     @abstractmethod
