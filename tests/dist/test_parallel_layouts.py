@@ -1,13 +1,13 @@
 """Every parallel layout trains exactly as one process does on the same global batches: FSDP2, TP (with sequence
 parallelism), EP (dropless and capacity-limited), PP (1F1B and interleaved), CP, ETP (each expert's width split
 over the TP group) on 2 processes and DP x TP x EP with and without ETP, DP x CP x EP, CP 4 (head and tail
-chunks of 4 positions, so the Mamba conv and scan cross chunks every scan chunk), CP x TP (x EP) and CP x PP (x EP)
-on 4, with activation checkpointing and compile composed in, on gloo (DP, TP, EP, PP and DP x TP x EP 10 steps,
-the rest 3): losses and gradient norms equal to 1e-5 (fp32), token and expert counts equal. NVFP4 emulation
-composes too: under TP each rank quantizes its own weight shard (with its own amax), so the losses are close to one
-process's, not equal. lm_head's gradient is reduced in fp32 unless train.grad_accum_dtype=bf16 asks for the
-report's divergence-1 fault. One torchrun job per
-world size runs all of its layouts (tests/dist/layout_worker.py); the reference is computed here, in this process.
+chunks of 4 positions: every Mamba conv and scan reads across chunks), CP x TP (x EP) and CP x PP (x EP) on 4, with
+activation checkpointing and compile composed in, on gloo (DP, TP, EP, PP and DP x TP x EP 10 steps, the rest 3):
+losses and gradient norms equal to 1e-5 (fp32), token and expert counts equal. NVFP4 emulation composes too: under
+TP each rank quantizes its own weight shard (with its own amax), so the losses are close to one process's, not
+equal. lm_head's gradient is reduced in fp32 unless train.grad_accum_dtype=bf16 asks for the report's divergence-1
+fault. One torchrun job per world size runs all of its layouts (tests/dist/layout_worker.py); the reference is
+computed here, in this process.
 `torchrun -m hybridtron pretrain` (PP x TP on 4 processes) and checkpoints across world sizes:
 test_dist_checkpoints.py."""
 
