@@ -52,11 +52,15 @@ def own_chunks(rank: int, size: int) -> tuple[int, int]:
     return rank, 2 * size - 1 - rank
 
 
+def _own_of_each_row(chunks: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """[B, 2 size, ...] -> [2B, ...]: rank `rank`'s two of each row's chunks, head then tail."""
+    return chunks[:, list(own_chunks(rank, size))].flatten(0, 1)
+
+
 def chunk_rows(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """Rank `rank`'s chunks of each row of `x` [B, L, ...] (positions on dim 1) as rows [2B, L / (2 size), ...]:
     each row's head chunk, then its tail chunk."""
-    chunks = x.unflatten(1, (2 * size, -1))
-    return chunks[:, list(own_chunks(rank, size))].flatten(0, 1)
+    return _own_of_each_row(x.unflatten(1, (2 * size, -1)), rank, size)
 
 
 def sequence_chunks(rows: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -188,6 +192,6 @@ def shard_sequence(input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, rank: in
         padded = F.pad(x_BT, (0, lookahead), value=fill)
         return padded.unfold(1, chunk + lookahead, chunk)
 
-    ids, labels = with_following(input_ids_BT, PAST_END), with_following(labels_BT, IGNORE_INDEX)
-    ids, labels = (t[:, list(own_chunks(rank, size))].flatten(0, 1) for t in (ids, labels))
+    ids = _own_of_each_row(with_following(input_ids_BT, PAST_END), rank, size)
+    labels = _own_of_each_row(with_following(labels_BT, IGNORE_INDEX), rank, size)
     return ids[:, :chunk], labels, ids[:, chunk:]
