@@ -108,7 +108,8 @@ def test_following_ids_give_a_window_the_mtp_inputs_of_the_whole_sequence(small_
         short = model(ids[:, :16], logits=False, following_ids=ids[:, 16:17])
     torch.testing.assert_close(short.mtp_hidden[0], whole.mtp_hidden[0][:, :16])
     with torch.no_grad():  # the end marked instead (a rank's tail chunk of the sequence): the same padding
-        marked = model(ids[:, :16], logits=False, following_ids=torch.cat([ids[:, 16:17], torch.full((2, 1), PAST_END)], 1))
+        ended = torch.cat([ids[:, 16:17], torch.full((2, 1), PAST_END)], dim=1)
+        marked = model(ids[:, :16], logits=False, following_ids=ended)
     torch.testing.assert_close(marked.mtp_hidden[1], short.mtp_hidden[1], rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"following_ids must lie in \[0, vocab_size=\d+\) or PAST_END \(-1\)"):
         model(ids[:, :16], following_ids=torch.full((2, 2), config.vocab_size))

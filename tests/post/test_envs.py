@@ -180,9 +180,9 @@ def test_small_task_spaces_say_when_they_run_out():
     with pytest.raises(ValueError, match="only .* distinct test tasks"):
         MathEnv(levels=(1,)).tasks("test", 100, seed=0)  # single-digit sums: about 15 held out
     # a spent pool is found after a run of draws that bring nothing new, not after 200 draws per task asked for
-    with pytest.raises(ValueError, match=r"only 11 distinct test tasks after (\d+) draws, 5000 asked for") as error:
+    with pytest.raises(ValueError, match="only 11 distinct test tasks after .* draws, 5000 asked for") as error:
         MathEnv(levels=(1,)).tasks("test", 5000, seed=0)
-    assert int(error.value.args[0].split(" draws")[0].split()[-1]) < 20_000
+    assert int(re.search(r"after (\d+) draws", str(error.value)).group(1)) < 20_000
     with pytest.raises(ValueError, match="split must be one of"):
         MathEnv().tasks("validation", 1)
 
