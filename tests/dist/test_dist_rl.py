@@ -1,9 +1,10 @@
-"""`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2 (and CP 2,
-each rank training on half of every rollout's positions), each rank generates and grades (MOPD: and
-teacher-scores) its share of every step's rollouts and gathers the rest (inline roles, the synchronous mode), or
-rank 0 runs them all (the asynchronous mode's role process), every rank trains on its rows of each micro-batch,
-and the per-step losses, gradient norms, rollout statistics and held-out pass@1 are those of one process (1e-5,
-fp32); a layout the RL learner cannot run fails before anything is written; commands that run as one process
+"""`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2, CP 2 (each
+rank training on half of every rollout's positions) or PP 2 (the rollouts' experts replayed stage by stage, the
+loss on the last stage), each rank generates and grades (MOPD: and teacher-scores) its share of every step's
+rollouts and gathers the rest (inline roles, the synchronous mode), or rank 0 runs them all (the asynchronous
+mode's role process), every rank trains on its part of each micro-batch, and the per-step losses, gradient norms,
+expert loads, rollout statistics and held-out pass@1 are those of one process (1e-5, fp32), with the same metrics
+logged; a layout the RL learner cannot run fails before anything is written; commands that run as one process
 refuse torchrun."""
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def assert_same_steps(world2: list[dict], single: list[dict]) -> None:
     assert [r["step"] for r in world2] == [r["step"] for r in single]  # one writer: no line twice
     compared = 0
     for got, want in zip(world2, single):
-        for key in COMPARED:
+        assert got.keys() == want.keys(), (want["step"], got.keys() ^ want.keys())
+        for key in [*COMPARED, *(k for k in want if k.startswith(("maxvio/", "router_bias_spread/")))]:
             if key in want:
                 scale = max(1.0, abs(want[key]))
                 assert abs(got[key] - want[key]) <= TOLERANCE * scale, (want["step"], key, got[key], want[key])
@@ -64,14 +66,15 @@ def layout_args(*settings: str) -> list[str]:
     return [arg for setting in settings for arg in ("--set", setting)]
 
 
-# DP 2 x EP 2 in both rollout modes; CP 2 x EP 2 (each rank half of every rollout's positions, the MTP depths
-# reading on into the other half), with the frozen reference's KL logged (its copy exchanges over the cp group too)
+# DP 2 x EP 2 with split rollouts; PP 2 with rank 0's rollouts and the frozen reference's KL logged (the last stage
+# runs the reference); CP 2 x EP 2 (each rank half of every rollout's positions, the MTP depths reading on into the
+# other half), with the reference's KL (its copy exchanges over the cp group too)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode, layout, rollout_ranks", [
     ((), ("dist.ep=2",), 2),
-    (("--set", "grpo.async_rollouts=true"), ("dist.ep=2",), 1),
+    (("--set", "grpo.async_rollouts=true", "--set", "grpo.reference_kl=true"), ("dist.pp=2",), 1),
     (("--set", "grpo.reference_kl=true"), ("dist.cp=2", "dist.ep=2"), 2),
-], ids=["sync_split_rollouts", "async_rank0_rollouts", "cp2_reference_kl"])
+], ids=["sync_split_rollouts", "async_rank0_rollouts_pp2_reference_kl", "cp2_reference_kl"])
 def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, layout, rollout_ranks):
     extra = ("--steps", "3", "--set", "train.lr=1e-3", *mode)
     assert _grpo(policy_dir, tmp_path / "single", *extra) == 0
@@ -86,19 +89,24 @@ def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, l
         assert (ours.state_dict()[name] - tensor).abs().max() < 1e-5, name
 
 
+# PP 2: the warmup SFT too, two micro-batches a step (1F1B needs one per stage); every rank gathers the whole
+# student from its pipeline peers for its share of the rollouts
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", [("dist.ep=2",), ("dist.cp=2",)], ids=["dp2_ep2", "cp2"])
+@pytest.mark.parametrize("layout", [("dist.ep=2",), ("dist.cp=2",), ("dist.pp=2", "mopd.warmup_grad_accum=2")],
+                         ids=["dp2_ep2", "cp2", "pp2"])
 def test_mopd_with_its_warmup_on_two_processes_matches_one_process(models, tmp_path, layout):
-    extra = ("--steps", "2", "--set", "mopd.warmup_steps=2", "--set", "train.lr=1e-3")
+    extra = ("--steps", "2", "--set", "mopd.warmup_steps=2", "--set", "train.lr=1e-3",
+             *layout_args(*(setting for setting in layout if setting.startswith("mopd."))))
     assert _mopd(models, tmp_path / "single", *extra) == 0
-    torchrun(mopd_argv(models, tmp_path / "world2", *extra, *layout_args(*layout)), timeout=280)
+    dist_settings = [setting for setting in layout if setting.startswith("dist.")]
+    torchrun(mopd_argv(models, tmp_path / "world2", *extra, *layout_args(*dist_settings)), timeout=280)
     assert ranks(records(tmp_path / "world2")) == {2}  # rollouts and teacher scores split over the ranks
     assert_same_steps(records(tmp_path / "world2"), records(tmp_path / "single"))
     assert_same_steps(records(tmp_path / "world2" / "warmup"), records(tmp_path / "single" / "warmup"))
 
 
 @pytest.mark.parametrize("setting, message", [
-    (["dist.pp=2"], "dist.pp=2: GRPO's learner shards over dp, cp and ep"),
+    (["dist.pp=2", "train.grad_accum=1"], "1 micro-batches per DP rank < pp 2 (1F1B needs one per stage)"),
     (["dist.tp=2"], "dist.tp=2: routing replay is not supported under tensor parallelism"),
     (["dist.cp=2", "grpo.aggregation=sequence_mean"], "dist.cp=2: grpo.aggregation=sequence_mean needs each whole "
                                                       "sequence on one rank"),
@@ -110,6 +118,15 @@ def test_an_rl_layout_it_cannot_run_fails_before_writing_anything(policy_dir, tm
     out = tmp_path / "grpo"
     assert _grpo(policy_dir, out, *layout_args(*setting)) == 2
     assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_mopd_warmup_the_pipeline_cannot_run_fails_before_writing_anything(models, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "mopd"
+    assert _mopd(models, out, *layout_args("dist.pp=2")) == 2  # the learner's 2 micro-batches run; the warmup's 1 not
+    assert "the warmup (mopd.warmup_batch_size=2, mopd.warmup_grad_accum=1, mopd.warmup_seq_len=64): dist layout" \
+        in capsys.readouterr().err
     assert not out.exists()
 
 

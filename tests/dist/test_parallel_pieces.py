@@ -120,7 +120,7 @@ def test_compiled_loss_is_the_models_loss(small_config, monkeypatch):
         {k: v.tolist() for k, v in compiled.expert_counts.items()}
     with torch.no_grad():
         out = model(ids)
-        last_stage = PretrainObjective().loss_from_outputs(model, (out.logits, *out.mtp_logits), labels)
+        last_stage = PretrainObjective().loss_from_outputs(model, (out.logits, *out.mtp_logits), (ids, labels))
     assert abs(float(last_stage.loss) - float(eager.loss.detach())) <= 1e-6
 
 

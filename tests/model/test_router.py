@@ -128,6 +128,27 @@ def test_expert_counts_sum_to_tokens_times_k(small_config):
         assert torch.equal(layer_counts, moe.last_expert_counts)
 
 
+def test_counted_positions_keep_padding_out_of_the_expert_counts(small_config):
+    """`forward(counted=...)`: rows padded with junk count what the unpadded rows count, the backbone at the real
+    positions t and MTP depth k where t + k is real too; `counted_at_depth` by hand."""
+    from hybridtron.model.lm import counted_at_depth
+
+    counted = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert counted_at_depth(counted, 2, 5).int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert counted_at_depth(counted, 1, 3).int().tolist() == [[1, 1, 0], [1, 1, 1]]  # runs on past a window of 3
+    config = small_config()
+    assert config.has_mtp
+    torch.manual_seed(0)
+    model = HybridLM(config)
+    ids = torch.randint(3, config.vocab_size, (2, 9))
+    real = model(ids, counted=torch.ones(2, 9, dtype=torch.bool))
+    padded = model(torch.cat([ids, torch.randint(3, config.vocab_size, (2, 4))], dim=1),
+                   counted=torch.cat([torch.ones(2, 9), torch.zeros(2, 4)], dim=1).bool())
+    assert torch.equal(real.expert_counts, padded.expert_counts)
+    assert torch.equal(real.mtp_expert_counts, padded.mtp_expert_counts)
+    assert not torch.equal(model(ids).mtp_expert_counts, real.mtp_expert_counts)  # past the end: counted by default
+
+
 def test_every_router_is_named_and_balanced_mtp_included(small_config):
     """`routers()` covers the backbone's MoE layers and the MTP block's; `router_biases()` follows it, so the
     balancing update reaches the MTP router too (its bias once stayed 0 for a whole run)."""

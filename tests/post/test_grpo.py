@@ -242,6 +242,38 @@ def test_reference_kl_is_logged_without_changing_the_gradient(small_config):
     assert logged(model, micro_batches[0]).metrics["kl"] > 1e-3
 
 
+def test_uniform_micro_batches_pad_to_one_shape_and_change_no_loss(small_config):
+    """Under PP a step's micro-batches are padded to one shape and to grad_accum of them (the pipeline's stages
+    exchange fixed shapes): the padding is no completion and not valid, so the step's loss, metrics and gradient
+    are those of the ragged micro-batches."""
+    from hybridtron.post.rollout import uniform_micro_batches
+
+    config = small_config(vocab_size=64)
+    model = HybridLM(config)
+    ragged = pack_micro_batches(_random_batch(config, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]], seed=4), 3)
+    uniform = uniform_micro_batches(ragged, 4)
+    assert len({tuple(mb.input_ids.shape) for mb in ragged}) > 1
+    assert len(uniform) == 4 and len({tuple(mb.input_ids.shape) for mb in uniform}) == 1
+    assert not uniform[-1].valid.any() and not uniform[-1].completion_mask.any()
+    objective = GRPOObjective(tiny_grpo(), config.mtp_depths)
+    for name, value in _step_metrics(model, objective, ragged).items():
+        assert abs(value - _step_metrics(model, objective, uniform)[name]) < 1e-6, name
+    expected, got = _gradients(model, objective, ragged), _gradients(model, objective, uniform)
+    assert all(torch.allclose(expected[name], got[name], atol=1e-7) for name in expected)
+
+
+def _step_metrics(model, objective, micro_batches) -> dict[str, float]:
+    """The step's metrics as the trainer logs them (each one's mean over the micro-batches), and its expert counts."""
+    objective.begin_step(micro_batches)
+    with torch.no_grad():
+        outputs = [objective(model, mb) for mb in micro_batches]
+    metrics = {key: float(torch.stack([out.metrics[key] for out in outputs]).mean()) for key in outputs[0].metrics}
+    for name in outputs[0].expert_counts:
+        for expert, count in enumerate(sum(out.expert_counts[name] for out in outputs).tolist()):
+            metrics[f"count/{name}/{expert}"] = count
+    return metrics
+
+
 class FixedBatches:
     """A batch source giving the same rollouts every step, split into `micro_batches`."""
 

@@ -186,12 +186,14 @@ def shard_sequence(input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, rank: in
         raise ValueError(f"context parallelism: a sequence of {length} positions does not split into the 2 x cp = "
                          f"{2 * size} chunks of cp {size}")
     chunk = length // (2 * size)
-
-    def with_following(x_BT: torch.Tensor, fill: int) -> torch.Tensor:
-        """[B, 2 size, chunk + lookahead]: each chunk and the `lookahead` positions after it (`fill` past the end)."""
-        padded = F.pad(x_BT, (0, lookahead), value=fill)
-        return padded.unfold(1, chunk + lookahead, chunk)
-
-    ids = _own_of_each_row(with_following(input_ids_BT, PAST_END), rank, size)
-    labels = _own_of_each_row(with_following(labels_BT, IGNORE_INDEX), rank, size)
+    ids = chunk_rows_ahead(input_ids_BT, rank, size, lookahead, PAST_END)
+    labels = chunk_rows_ahead(labels_BT, rank, size, lookahead, IGNORE_INDEX)
     return ids[:, :chunk], labels, ids[:, chunk:]
+
+
+def chunk_rows_ahead(x_BT: torch.Tensor, rank: int, size: int, lookahead: int, fill) -> torch.Tensor:
+    """`chunk_rows` with the `lookahead` positions after each chunk: [2B, L / (2 size) + lookahead], `fill` past the
+    sequence's end."""
+    chunk = x_BT.shape[1] // (2 * size)
+    padded = F.pad(x_BT, (0, lookahead), value=fill)
+    return _own_of_each_row(padded.unfold(1, chunk + lookahead, chunk), rank, size)

@@ -17,11 +17,17 @@ The embeddings travel with the hidden state because the MTP block on the last st
 embedding at depth k). Under CP the first stage embeds the ids that follow each chunk as well (HybridLM's
 `following_ids`, PAST_END embedded as zeros), so the embeddings run `lookahead` positions past the hidden state.
 A step runs the step's `grad_accum` micro-batches through the schedule as its micro-batches (so grad_accum >= pp,
-the planner's rule); the objective's loss runs on the last stage, its metrics are broadcast from there, and each
-MoE layer's expert counts are summed over the micro-batches by a forward hook.
+the planner's rule), each described by a `MicroBatchInputs`: its ids and, for the RL learners, the experts to replay
+(routing replay) and the positions whose routing counts. Every stage's forward is told the index of its micro-batch
+(a keyword input, which the schedules hand to every stage), and so is the loss: the objective's loss runs on the last
+stage on the whole micro-batch the index names (rollout log-probs, advantages, teacher scores: whatever it reads),
+its metrics are broadcast from there, and each MoE layer's expert counts are summed over the micro-batches as the
+stages run them (a recomputed forward, under activation checkpointing, is not counted again).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +38,24 @@ from hybridtron.config import ModelConfig
 from hybridtron.dist.costs import cluster_for
 from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.plan import Workload, pipeline_stages
-from hybridtron.model.lm import embed_ahead
+from hybridtron.model.lm import counted_at_depth, embed_ahead
 from hybridtron.ops.cross_entropy import cross_entropy_sum_and_count
+
+
+@dataclass
+class MicroBatchInputs:
+    """What the stages read of one micro-batch (the loss reads the rest on the last stage, by its index).
+
+    input_ids [B, L + lookahead]: under CP a share's ids and the `lookahead` ids that follow it (the MTP depths read
+    their embeddings); expert_ids {backbone router: [B, L, K]}: routing replay, or None; counted [B, L + lookahead]:
+    the real positions, whose routing the expert counts include (`HybridLM.forward(counted=...)`; None: all; the RL
+    learners leave padding out); tokens: the micro-batch's token count for the step's throughput."""
+
+    input_ids: torch.Tensor
+    tokens: int
+    lookahead: int = 0
+    expert_ids: dict[str, torch.Tensor] | None = None
+    counted: torch.Tensor | None = None
 
 
 class AbsentLayer(nn.Module):
@@ -66,22 +88,27 @@ class StageView(nn.Module):
         self.first, self.last = first, last
         self.carries_embeddings = model.config.has_mtp
         self.lookahead = 0  # under CP: how many ids past the share the first stage embeds (`Pipeline.step`)
+        self.pipeline: "Pipeline | None" = None  # the Pipeline running this view: replay ids, expert counts
         self.layer_indices = layers
         self.layers = nn.ModuleList(model.backbone.layers[i] for i in layers)
         if first:
             self.embeddings = model.backbone.embeddings
         if last:
             self.norm_f, self.lm_head, self.mtp = model.backbone.norm_f, model.lm_head, model.mtp
+            self.mtp_routers = [name for name in model.routers() if name.startswith("mtp.")]
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, micro_batch: torch.Tensor):
+        index = int(micro_batch)  # which micro-batch of the step this is (a [1] chunk of the step's indices)
         if self.first:  # under CP the ids run `lookahead` past the chunk: MTP's, as HybridLM's following_ids
             embeddings = embed_ahead(self.embeddings, inputs[0]) if self.lookahead else self.embeddings(inputs[0])
             hidden = embeddings[:, :embeddings.shape[1] - self.lookahead] if self.lookahead else embeddings
         else:
             hidden = inputs[0]
             embeddings = inputs[1] if self.carries_embeddings else None
-        for layer in self.layers:
-            hidden = layer(hidden)
+        for layer_index, layer in zip(self.layer_indices, self.layers):
+            name = str(layer_index)
+            hidden = layer(hidden, None, None, self.pipeline.replay(index, name))
+            self.pipeline.count(index, [name])
         if not self.last:
             # a fresh view: a stage's outputs must not be its inputs themselves
             return (hidden, embeddings.view_as(embeddings)) if self.carries_embeddings else hidden
@@ -92,6 +119,7 @@ class StageView(nn.Module):
             for depth in range(1, self.config.mtp_num_depths + 1):
                 ahead = embeddings[:, depth:depth + length]
                 previous = self.mtp(previous, F.pad(ahead, (0, 0, 0, length - ahead.shape[1])))
+                self.pipeline.count(index, self.mtp_routers, depth)
                 outputs.append(self.lm_head(previous))
         return tuple(outputs)
 
@@ -118,33 +146,52 @@ class Pipeline:
         self.group = parallel.group("pp")
         self.holds_loss = num_stages - 1 in stage_indices
         self.loss_rank = parallel.world - parallel.world // parallel.layout.pp  # the last stage's first rank
-        self._stages: dict[tuple, list[PipelineStage]] = {}
+        self._stages: dict[str, tuple[tuple, list[PipelineStage]]] = {}  # per use, the stages of its last shape
+        self.routers = stage_model.routers()
+        self.inputs: list[MicroBatchInputs] = []  # the running step's (replay ids, counted positions)
         self.counts: dict[str, torch.Tensor] = {}
-        for name, moe in stage_model.routers().items():
-            moe.register_forward_hook(self._counter(name))
+        for view in views:
+            view.pipeline = self
 
-    def _counter(self, name: str):
-        # Under activation checkpointing a recomputed forward counts again; the router-bias update and MaxVio read
-        # only the loads' ratios, which that doubling leaves as they are.
-        def hook(module, inputs, output):
-            if module.training and module.last_expert_ids is not None:
-                counts = module.last_expert_counts
-                self.counts[name] = counts if name not in self.counts else self.counts[name] + counts
-        return hook
+    def replay(self, index: int, name: str) -> torch.Tensor | None:
+        """The experts backbone router `name` replays for micro-batch `index`, or None (no replay, or no router)."""
+        expert_ids = self.inputs[index].expert_ids if index < len(self.inputs) else None
+        return expert_ids.get(name) if expert_ids else None
+
+    def count(self, index: int, names: list[str], depth: int = 0) -> None:
+        """Add the last routing of routers `names` (those this stage holds), over micro-batch `index`'s counted
+        positions, to the step's counts (the MTP block's once per depth, as `HybridLM.forward` counts them)."""
+        if index >= len(self.inputs):  # not a training step (an evaluation)
+            return
+        inputs = self.inputs[index]
+        counted = inputs.counted
+        if counted is not None:
+            counted = counted_at_depth(counted, depth, inputs.input_ids.shape[1] - inputs.lookahead)
+        if counted is not None and self.parallel.layout.tp > 1:  # the routers saw this rank's sequence shard
+            counted = counted.chunk(self.parallel.layout.tp, dim=1)[self.parallel.coordinate("tp")]
+        for name in names:
+            moe = self.routers.get(name)
+            if moe is None:
+                continue
+            chosen = moe.last_expert_ids if counted is None else moe.last_expert_ids[counted.flatten()]
+            counts = torch.bincount(chosen.flatten(), minlength=moe.gate.num_experts)
+            self.counts[name] = counts if name not in self.counts else self.counts[name] + counts
 
     def stages(self, key: str, ids_shape: tuple[int, int], lookahead: int = 0) -> list[PipelineStage]:
         """Pipeline stages for micro-batches of `ids_shape` (and, under CP, `lookahead` ids past each share, which
         every view is told), with every stage's input and output shapes given (static mode: no metadata inference,
-        which would run a stage on placeholder data)."""
+        which would run a stage on placeholder data). Each use (`key`) keeps the stages of its last shape only (the
+        RL learners' micro-batches change length from step to step)."""
         for view in self.views:
             view.lookahead = lookahead
-        if (key, ids_shape, lookahead) not in self._stages:
-            self._stages[(key, ids_shape, lookahead)] = [
+        shape = (ids_shape, lookahead)
+        if key not in self._stages or self._stages[key][0] != shape:
+            self._stages[key] = (shape, [
                 PipelineStage(view, index, self.num_stages, self.parallel.device, group=self.group,
                               input_args=self._example(view, ids_shape, lookahead, inputs=True),
                               output_args=self._example(view, ids_shape, lookahead, inputs=False))
-                for view, index in zip(self.views, self.stage_indices)]
-        return self._stages[(key, ids_shape, lookahead)]
+                for view, index in zip(self.views, self.stage_indices)])
+        return self._stages[key][1]
 
     def _example(self, view: "StageView", ids_shape: tuple[int, int], lookahead: int, inputs: bool
                  ) -> tuple[torch.Tensor, ...]:
@@ -168,22 +215,32 @@ class Pipeline:
         kind = Schedule1F1B if name == "1f1b" else ScheduleGPipe
         return kind(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, ...]], loss_fn) -> dict[str, torch.Tensor]:
-        """Forward and backward of every micro-batch, (ids, labels) or under CP a share's (ids, labels, the ids
-        that follow it: `context_parallel.shard_sequence`); `loss_fn(outputs, labels)` runs on the last stage.
-        Returns this rank's expert counts per router, summed over the micro-batches."""
-        ids = torch.cat([torch.cat([ids, *following], dim=1) for ids, _, *following in micro_batches])
-        labels = torch.cat([labels for _, labels, *_ in micro_batches])
-        lookahead = ids.shape[1] - micro_batches[0][0].shape[1]
-        stages = self.stages("train", tuple(micro_batches[0][0].shape), lookahead)
+    def step(self, micro_batches: list[MicroBatchInputs], loss_fn) -> dict[str, torch.Tensor]:
+        """Forward and backward of every micro-batch; `loss_fn(outputs, index)` runs on the last stage, `index` the
+        micro-batch's position in `micro_batches` (a [1] tensor). Returns this rank's expert counts per router,
+        summed over the micro-batches."""
+        first = micro_batches[0]
+        shape = (first.input_ids.shape, first.lookahead)
+        if any((mb.input_ids.shape, mb.lookahead) != shape for mb in micro_batches):
+            raise ValueError("a pipeline step's micro-batches must all have one shape (its stages exchange "
+                             f"fixed-shape activations); got {sorted({tuple(mb.input_ids.shape) for mb in micro_batches})}")
+        rows, width = first.input_ids.shape
+        stages = self.stages("train", (rows, width - first.lookahead), first.lookahead)
         schedule = self._schedule(stages, len(micro_batches), loss_fn, self.schedule_name)
-        self.counts = {}
-        if 0 in self.stage_indices:
-            schedule.step(ids, target=labels if self.holds_loss else None)
-        else:
-            schedule.step(target=labels if self.holds_loss else None)
+        self.inputs, self.counts = micro_batches, {}
+        try:
+            self._run(schedule, "step", torch.cat([mb.input_ids for mb in micro_batches]), len(micro_batches))
+        finally:
+            self.inputs = []
         counts, self.counts = self.counts, {}
         return counts
+
+    def _run(self, schedule, method: str, ids: torch.Tensor, micro_batches: int, **options) -> None:
+        """`schedule.step` or `.eval` on this rank: the ids into the first stage, the micro-batch indices to every
+        stage (a keyword input) and, on the last, to the loss as its target."""
+        index = torch.arange(micro_batches, device=ids.device)
+        inputs = (ids,) if 0 in self.stage_indices else ()
+        getattr(schedule, method)(*inputs, target=index if self.holds_loss else None, micro_batch=index, **options)
 
     @torch.no_grad()
     def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, sum_over_shares=None) -> float:
@@ -191,19 +248,16 @@ class Pipeline:
         (`sum_over_shares`: a sum over the cp group) the batch is a share: the CE over all the shares' targets."""
         from hybridtron.model.lm import cross_entropy
 
-        def batch_loss(outputs, target):
+        def batch_loss(outputs, index):
             if sum_over_shares is None:
-                return cross_entropy(outputs[0], target)
-            ce_sum, count = sum_over_shares(cross_entropy_sum_and_count(outputs[0], target))
+                return cross_entropy(outputs[0], labels)
+            ce_sum, count = sum_over_shares(cross_entropy_sum_and_count(outputs[0], labels))
             return ce_sum / count
 
         losses: list[torch.Tensor] = []
         stages = self.stages("eval", tuple(input_ids.shape))
         schedule = self._schedule(stages, 1, batch_loss, "gpipe")
-        if 0 in self.stage_indices:
-            schedule.eval(input_ids, target=labels if self.holds_loss else None, losses=losses)
-        else:
-            schedule.eval(target=labels if self.holds_loss else None, losses=losses)
+        self._run(schedule, "eval", input_ids, 1, losses=losses)
         value = float(losses[0]) if losses else None
         return self.parallel.broadcast_object(value, src=self.loss_rank)
 

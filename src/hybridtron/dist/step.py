@@ -158,15 +158,18 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Te
 def full_state_dict(model: torch.nn.Module, parallel: Parallel, everywhere: bool = False
                     ) -> dict[str, torch.Tensor] | None:
     """The whole model's state, in canonical names and on the CPU, on global rank 0 (None elsewhere), or with
-    `everywhere` on every rank (not under PP). Every rank must call it; under PP each stage gathers its own part
-    and rank 0 merges them."""
+    `everywhere` on every rank. Every rank must call it; under PP each stage gathers its own part, and rank 0
+    merges them (with `everywhere`: every rank, from the ranks of its pp group, one per stage)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if everywhere:
-        if parallel.layout.pp > 1:
-            raise ValueError("full_state_dict(everywhere=True): a pipeline stage holds only its own layers")
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        return canonical_full_state({name: tensor.cpu() for name, tensor in state.items()}, model)
+        state = canonical_full_state({name: tensor.cpu() for name, tensor in state.items()}, model)
+        if parallel.layout.pp == 1:
+            return state
+        stages = [None] * parallel.layout.pp
+        dist.all_gather_object(stages, state, group=parallel.group("pp"))
+        return {name: tensor for stage in stages for name, tensor in stage.items()}
     if parallel.layout.pp == 1:  # cpu_offload: the full tensors land on global rank 0 only
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return canonical_full_state(state, model) if parallel.is_main else None

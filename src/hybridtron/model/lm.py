@@ -39,11 +39,15 @@ class LMOutput:
     mtp_hidden: list[torch.Tensor] = field(default_factory=list)  # each MTP depth's output, what lm_head reads
 
 
-def _stacked_counts(layers: list[MoE]) -> torch.Tensor | None:
-    counts = [moe.last_expert_counts for moe in layers]
-    if not counts or any(c is None for c in counts):
+def _stacked_counts(layers: list[MoE], counted: torch.Tensor | None = None) -> torch.Tensor | None:
+    """[layers, experts]: each layer's last routing, over the `counted` positions [B, T] only (None: all)."""
+    if not layers or any(moe.last_expert_ids is None for moe in layers):
         return None
-    return torch.stack(counts)
+    if counted is None:
+        return torch.stack([moe.last_expert_counts for moe in layers])
+    keep = counted.flatten()
+    return torch.stack([torch.bincount(moe.last_expert_ids[keep].flatten(), minlength=moe.gate.num_experts)
+                        for moe in layers])
 
 
 class Backbone(nn.Module):
@@ -63,6 +67,13 @@ def embed_ahead(embedding: nn.Module, ids_BT: torch.Tensor) -> torch.Tensor:
     """The embeddings of `ids_BT` [B, T, D], zeros where an id is PAST_END."""
     past_end = ids_BT == PAST_END
     return embedding(ids_BT.masked_fill(past_end, 0)).masked_fill(past_end[..., None], 0.0)
+
+
+def counted_at_depth(counted_BT: torch.Tensor, depth: int, length: int) -> torch.Tensor:
+    """[B, length]: the positions t of a window of `length` whose MTP depth `depth` routing counts: t and t + depth
+    both counted (`counted_BT` may run on past the window: the positions after a context-parallel share)."""
+    ahead = F.pad(counted_BT[:, depth:depth + length], (0, max(0, length - counted_BT.shape[1] + depth)), value=False)
+    return counted_BT[:, :length] & ahead
 
 
 def mtp_targets(labels_BT: torch.Tensor, depth: int) -> torch.Tensor:
@@ -128,7 +139,8 @@ class HybridLM(nn.Module):
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
                 mtp: bool = True, expert_ids: dict[str, torch.Tensor] | None = None,
-                mixer_fn=run_mixer, logits: bool = True, following_ids: torch.Tensor | None = None) -> LMOutput:
+                mixer_fn=run_mixer, logits: bool = True, following_ids: torch.Tensor | None = None,
+                counted: torch.Tensor | None = None) -> LMOutput:
         """`cache`: continue from a `model.state.LayerStates` (or its serving subclass `infer.cache.HybridCache`)
         and advance it (no MTP logits, no expert counts). `expert_ids`: routing replay for the backbone's MoE layers,
         {router name (`routers()`): chosen experts [B, T, k]}; a layer not named routes itself (the MTP block always
@@ -137,7 +149,10 @@ class HybridLM(nn.Module):
         `hidden` and `mtp_hidden` are what it would read, for a loss that applies it itself (no `labels` then).
         `following_ids` [B, <= mtp_num_depths]: the tokens after `input_ids` when they are a window of a longer
         sequence (a context-parallel chunk, `hybridtron.dist.context_parallel`): MTP depth k at the window's last
-        positions reads their embeddings instead of the padding past an end; PAST_END where the sequence ends."""
+        positions reads their embeddings instead of the padding past an end; PAST_END where the sequence ends.
+        `counted` [B, T] bool (with `following_ids`: [B, T + following]): the real positions, not padding (whose
+        amount depends on how ragged rows were batched); the expert counts then include the backbone's routing at
+        counted positions t and MTP depth k's where t + k is counted too (it reads token t + k); None: everywhere."""
         self._check_ids(input_ids)
         length, ids_ahead = input_ids.shape[1], input_ids
         if following_ids is not None:
@@ -159,7 +174,8 @@ class HybridLM(nn.Module):
             cache.lengths += length
         hidden = self.backbone.norm_f(hidden)
         out = LMOutput(logits=self.lm_head(hidden) if logits else None, hidden=hidden,
-                       expert_counts=self.expert_counts() if cache is None else None)
+                       expert_counts=_stacked_counts(self.moe_layers(), None if counted is None else
+                                                     counted[:, :length]) if cache is None else None)
 
         if mtp and self.mtp is not None and cache is None:
             previous = hidden
@@ -172,7 +188,8 @@ class HybridLM(nn.Module):
                 if logits:
                     out.mtp_logits.append(self.lm_head(previous))
                 # the shared block routes once per depth: its routers balance over every token they saw
-                counts = _stacked_counts(self.mtp_moe_layers())
+                counts = _stacked_counts(self.mtp_moe_layers(), None if counted is None else
+                                         counted_at_depth(counted, depth, length))
                 if counts is not None:
                     out.mtp_expert_counts = counts if out.mtp_expert_counts is None else out.mtp_expert_counts + counts
 

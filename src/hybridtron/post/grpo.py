@@ -323,7 +323,9 @@ class RolloutObjective:
     MTP depths trained (none with the MTP loss off), and the step's global counts that every micro-batch's loss is
     normalised by (`begin_step`: `row_counts(mb)` of each micro-batch, then each MTP depth's targets, summed over the
     step and, under torchrun, over the data-parallel ranks). `data_ranks`: the metrics every rank holds whole are
-    divided by it, since the trainer sums the ranks' metrics."""
+    divided by it, since the trainer sums the ranks' metrics. A micro-batch's loss is `loss_from_outputs` of the
+    learner's forward with routing replay (`__call__`), or under PP of the last stage's outputs (`stage_inputs`:
+    what the stages read)."""
 
     def __init__(self, config, mtp_depths: int, parallel=None):
         self.config, self.loss_config = config, config.loss_config()
@@ -349,6 +351,32 @@ class RolloutObjective:
             counts = self.data_sum(counts)
         self.counts = counts.tolist()
         self.micro_batches = len(micro_batches)
+
+    def stage_inputs(self, mb):
+        """Under PP: what the stages read of a micro-batch of rollouts: its ids (and under CP the ids after the
+        share), the rollout's experts to replay, its real tokens (the positions whose routing counts)."""
+        import torch
+
+        from hybridtron.dist.pipeline import MicroBatchInputs
+
+        following = [] if mb.following_ids is None else [mb.following_ids]
+        return MicroBatchInputs(torch.cat([mb.input_ids, *following], dim=1), tokens=int(mb.valid.sum()),
+                                lookahead=following[0].shape[1] if following else 0,
+                                expert_ids=mb.expert_ids if self.config.routing_replay else None,
+                                counted=mb.counted)
+
+    def forward(self, model, mb):
+        """The learner's forward on a micro-batch of rollouts, with routing replay: (logits, *MTP logits), counts."""
+        from hybridtron.post.rollout import rollout_router_counts
+
+        replay = mb.expert_ids if self.config.routing_replay else None
+        out = model(mb.input_ids, expert_ids=replay, mtp=self.mtp_depths > 0, following_ids=mb.following_ids,
+                    counted=mb.counted)
+        return (out.logits, *out.mtp_logits), rollout_router_counts(model, out)
+
+    def __call__(self, model, mb):
+        outputs, counts = self.forward(model, mb)
+        return self.loss_from_outputs(model, outputs, mb, counts)
 
 
 class GRPOObjective(RolloutObjective):
@@ -377,23 +405,25 @@ class GRPOObjective(RolloutObjective):
         return [mb.completion_mask.sum(), mask.sum(), mask.any(dim=1).sum()]
 
     def policy_logprobs(self, model, mb):
-        """(the model's output, log-probs [B, L] of the labels) of one micro-batch, with routing replay."""
-        replay = mb.expert_ids if self.config.routing_replay else None
-        out = model(mb.input_ids, expert_ids=replay, mtp=self.mtp_depths > 0, following_ids=mb.following_ids)
+        """(the model's outputs (logits, *MTP logits), log-probs [B, L] of the labels) of one micro-batch, with
+        routing replay."""
+        outputs, _ = self.forward(model, mb)
         cfg = self.config
-        return out, sampled_logprobs(out.logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
+        return outputs, sampled_logprobs(outputs[0], mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
 
-    def __call__(self, model, mb):
+    def loss_from_outputs(self, model, outputs, mb, expert_counts=None):
+        """The GRPO loss and metrics of a micro-batch from the learner's (logits, *MTP logits) (a pipeline's last
+        stage calls it; the expert counts are then the pipeline's)."""
         import torch
 
         from hybridtron.post.losses import (grpo_loss, masked_mean, mismatch_metrics, rollout_correction,
                                             token_entropy)
         from hybridtron.post.sft import sft_loss
-        from hybridtron.post.rollout import rollout_router_counts
         from hybridtron.train.objectives import ObjectiveOutput
 
         cfg, loss_cfg = self.config, self.loss_config
-        out, logp = self.policy_logprobs(model, mb)
+        logits, *mtp_logits = outputs
+        logp = sampled_logprobs(logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
         mask, completion = mb.policy_mask, mb.completion_mask
         tokens, global_tokens = float(mask.sum()), self.counts[1]
         # the loss's divisor: the step's policy tokens (token_mean) or sequences (sequence_mean)
@@ -405,7 +435,7 @@ class GRPOObjective(RolloutObjective):
                                          mtp=False)
                 ref_logp = sampled_logprobs(ref_out.logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
         with torch.set_grad_enabled(torch.is_grad_enabled() and loss_cfg.entropy_coef > 0):
-            entropy = token_entropy(out.logits.float() / cfg.temperature)
+            entropy = token_entropy(logits.float() / cfg.temperature)
         rollout_logp = mb.rollout_logprobs  # with correction "none" the mismatch is still logged
         if global_policy > 0:
             # one policy step per batch: the "old" policy is the learner before this step's update, i.e. now
@@ -417,8 +447,8 @@ class GRPOObjective(RolloutObjective):
             _, policy_metrics = grpo_loss(logp.detach(), logp.detach(), mb.advantages, mask, 1.0, loss_cfg,
                                           rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy)
         loss = policy_loss
-        mtp_losses = [sft_loss(logits, mb.mtp_targets(depth), self.counts[2 + depth])
-                      for depth, logits in enumerate(out.mtp_logits[:self.mtp_depths], start=1)]
+        mtp_losses = [sft_loss(depth_logits, mb.mtp_targets(depth), self.counts[2 + depth])
+                      for depth, depth_logits in enumerate(mtp_logits[:self.mtp_depths], start=1)]
         if mtp_losses:
             loss = loss + cfg.mtp_loss_weight * torch.stack(mtp_losses).mean()
         # the trainer logs the mean over micro-batches of each metric: scale each share by their number
@@ -439,7 +469,7 @@ class GRPOObjective(RolloutObjective):
                    **{key: value.float() * completion_share * scale for key, value in engine_metrics.items()},
                    "policy_tokens": torch.tensor(global_tokens / self.data_ranks, dtype=torch.float32)}
         metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
-        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), rollout_router_counts(model, out, mb))
+        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), expert_counts or {})
 
 
 # --------------------------------------------------------------------------------------------- evaluation
@@ -557,7 +587,8 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     # under torchrun: every rank trains on its rows of each micro-batch; the rollouts are split over the ranks
     # (inline roles) or run on rank 0 (roles in processes or Ray actors): RolloutBatches
     parallel = start_parallel(config.dist, model_config, **learner_layout(
-        config.dist, model_config, grpo, rows=rows, seq_len=seq_len, what="GRPO"))
+        config.dist, model_config, grpo, rows=rows, seq_len=seq_len, grad_accum=config.train.grad_accum,
+        what="GRPO"))
     quiet = quiet or (parallel is not None and not parallel.is_main)
     tokenizer = load_chat_tokenizer(config.base_model, vocab_size=model_config.vocab_size)
     prepare_process(train, model_config, rows * seq_len, stream)
@@ -602,7 +633,8 @@ def check_inputs(config: GRPORunConfig) -> None:
     from hybridtron.post.rollout import learner_layout, load_env
 
     rows, seq_len = micro_batch_shape(config)
-    learner_layout(config.dist, config.model, config.grpo, rows=rows, seq_len=seq_len, what="GRPO")
+    learner_layout(config.dist, config.model, config.grpo, rows=rows, seq_len=seq_len,
+                   grad_accum=config.train.grad_accum, what="GRPO")
 
     load_chat_tokenizer(config.base_model, vocab_size=config.model.vocab_size, require_template=True)
     try:

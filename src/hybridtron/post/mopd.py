@@ -131,7 +131,8 @@ class MOPDConfig:
     warmup_tries: int = 4
     warmup_examples: int = 1000  # conversations, split by domain_weights
     warmup_lr: float = 5e-4  # peak LR of the warmup (after a 10% linear warmup; the last 20% decays)
-    warmup_batch_size: int = 8  # packed rows per warmup step
+    warmup_batch_size: int = 8  # packed rows per micro-batch of the warmup
+    warmup_grad_accum: int = 1  # micro-batches per warmup step (under dist.pp: at least one per pipeline stage)
     warmup_seq_len: int = 256  # tokens per packed row
     warmup_train_on_thinking: bool = True  # loss on the reasoning too: the student's samples include it
     # held-out evaluation: greedy pass@1 on each environment's test split
@@ -200,7 +201,7 @@ class MOPDConfig:
     def validate(self) -> None:
         for name in ("prompts_per_step", "max_new_tokens", "draft_length", "teacher_batch_size", "eval_every",
                      "eval_max_tokens", "eval_batch_size", "warmup_examples", "warmup_tries", "warmup_batch_size",
-                     "warmup_seq_len"):
+                     "warmup_grad_accum", "warmup_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"mopd.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("staleness", "rollout_threads", "eval_tasks", "top_k", "warmup_steps"):
@@ -373,14 +374,15 @@ class MOPDObjective(RolloutObjective):
 
         return torch.tensor([d == domain for d in mb.domains], dtype=torch.bool, device=mb.labels.device)
 
-    def __call__(self, model, mb):
+    def loss_from_outputs(self, model, outputs, mb, expert_counts=None):
+        """The MOPD loss and metrics of a micro-batch from the student's (logits, *MTP logits) (`__call__` runs the
+        forward first; a pipeline's last stage calls it, and its expert counts are then the pipeline's)."""
         import torch
 
         from hybridtron.post.grpo import sampled_logprobs
         from hybridtron.post.losses import masked_mean, mopd_loss, token_entropy, topk_reverse_kl
         from hybridtron.post.sft import sft_loss
         from hybridtron.post.teachers import TEACHER_SCORE, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGP
-        from hybridtron.post.rollout import rollout_router_counts
         from hybridtron.train.objectives import ObjectiveOutput
 
         cfg, loss_cfg = self.config, self.loss_config
@@ -389,15 +391,14 @@ class MOPDObjective(RolloutObjective):
         if loss_cfg.kl_top_k and TEACHER_TOPK_IDS not in mb.scores:
             raise ValueError(f"mopd.kl_top_k={loss_cfg.kl_top_k}, but the teacher-scoring role sent no top-K tokens "
                              "(it was built with top_k=0)")
-        out = model(mb.input_ids, expert_ids=mb.expert_ids if cfg.routing_replay else None, mtp=self.mtp_depths > 0,
-                    following_ids=mb.following_ids)
-        logp = sampled_logprobs(out.logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
+        logits, *mtp_logits = outputs
+        logp = sampled_logprobs(logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
         mask, teacher = mb.completion_mask, mb.scores[TEACHER_SCORE]
         total_tokens, total_sequences = self.counts[0], self.counts[1]
         divisor = total_sequences if loss_cfg.aggregation == "sequence_mean" else total_tokens
         topk_kl = None
         if loss_cfg.kl_top_k:
-            scaled = out.logits.float() / cfg.temperature
+            scaled = logits.float() / cfg.temperature
             student_topk = scaled.gather(-1, mb.scores[TEACHER_TOPK_IDS].long()) - scaled.logsumexp(-1, keepdim=True)
             topk_kl = topk_reverse_kl(student_topk, mb.scores[TEACHER_TOPK_LOGP])
         # one policy step per batch: the proximal policy is the learner before this step's update, i.e. now
@@ -405,12 +406,12 @@ class MOPDObjective(RolloutObjective):
                                                 behav_logp=mb.rollout_logprobs, topk_kl=topk_kl)
         loss = policy_loss
         depth_counts = self.counts[2 + len(self.domains):]
-        mtp_losses = [sft_loss(logits, mb.mtp_targets(depth), depth_counts[depth - 1])
-                      for depth, logits in enumerate(out.mtp_logits[:self.mtp_depths], start=1)]
+        mtp_losses = [sft_loss(depth_logits, mb.mtp_targets(depth), depth_counts[depth - 1])
+                      for depth, depth_logits in enumerate(mtp_logits[:self.mtp_depths], start=1)]
         if mtp_losses:
             loss = loss + cfg.mtp_loss_weight * torch.stack(mtp_losses).mean()
         with torch.no_grad():
-            entropy = token_entropy(out.logits.float() / cfg.temperature)
+            entropy = token_entropy(logits.float() / cfg.temperature)
         # the trainer logs the mean over micro-batches: each share scaled by their number
         scale, share = self.micro_batches, float(mask.sum()) / total_tokens
         per_token = {"teacher_logp": teacher, "student_logp": logp.detach(), "entropy": entropy}
@@ -430,7 +431,7 @@ class MOPDObjective(RolloutObjective):
                     torch.zeros(())
                 metrics[f"{key}/{domain}"] = value * scale
         metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
-        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), rollout_router_counts(model, out, mb))
+        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), expert_counts or {})
 
 
 # --------------------------------------------------------------------------------------------- evaluation
@@ -519,7 +520,8 @@ def warmup_run_config(config: MOPDRunConfig, data_file: Path):
     steps = mopd.warmup_steps
     sft_train = TrainConfig(**{**SFT_TRAIN, "steps": steps, "lr": mopd.warmup_lr, "warmup_steps": max(1, steps // 10),
                                "val_every": steps, "checkpoint_every": max(1, min(train.checkpoint_every, steps)),
-                               "seed": train.seed, "threads": train.threads, "precision": train.precision})
+                               "seed": train.seed, "threads": train.threads, "precision": train.precision,
+                               "grad_accum": mopd.warmup_grad_accum})
     sft = SFTConfig(train_on_thinking=mopd.warmup_train_on_thinking, seq_len=mopd.warmup_seq_len,
                     batch_size=mopd.warmup_batch_size, val_batches=2, seed=mopd.seed)
     return SFTRunConfig(base_model=config.student, data=str(data_file), model=config.model, sft=sft,
@@ -605,7 +607,8 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
     # under torchrun: every rank trains on its rows; the rollout and teacher roles split their work over the ranks
     # (inline roles) or run on rank 0 (roles in processes or Ray actors): RolloutBatches
     parallel = start_parallel(config.dist, model_config, **learner_layout(
-        config.dist, model_config, mopd, rows=rows, seq_len=seq_len, what="MOPD"))
+        config.dist, model_config, mopd, rows=rows, seq_len=seq_len, grad_accum=config.train.grad_accum,
+        what="MOPD"))
     quiet = quiet or (parallel is not None and not parallel.is_main)
     tokenizer = load_chat_tokenizer(student_dir, vocab_size=model_config.vocab_size)
     prepare_process(train, model_config, rows * seq_len, stream)
@@ -633,7 +636,18 @@ def check_inputs(config: MOPDRunConfig) -> None:
     from hybridtron.post.rollout import learner_layout
 
     rows, seq_len = micro_batch_shape(config)
-    learner_layout(config.dist, config.model, config.mopd, rows=rows, seq_len=seq_len, what="MOPD")
+    learner_layout(config.dist, config.model, config.mopd, rows=rows, seq_len=seq_len,
+                   grad_accum=config.train.grad_accum, what="MOPD")
+    mopd = config.mopd
+    if mopd.warmup_steps:  # the warmup SFT runs on the same layout
+        from hybridtron.dist.mesh import check_run_layout, world_from_env
+
+        try:
+            check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=mopd.warmup_batch_size,
+                             grad_accum=mopd.warmup_grad_accum, seq_len=mopd.warmup_seq_len, context_parallel=True)
+        except ValueError as exc:
+            raise ValueError(f"the warmup (mopd.warmup_batch_size={mopd.warmup_batch_size}, mopd.warmup_grad_accum="
+                             f"{mopd.warmup_grad_accum}, mopd.warmup_seq_len={mopd.warmup_seq_len}): {exc}") from None
     student = Path(config.student)
     load_chat_tokenizer(student, vocab_size=config.model.vocab_size, require_template=True)
     panel = config.panel
@@ -647,7 +661,6 @@ def check_inputs(config: MOPDRunConfig) -> None:
             raise ValueError(f"{flag}{directory}: its tokenizer.json is {'missing' if not theirs.is_file() else 'not'}"
                              f" the student's ({ours}); teachers must share the student's tokenizer (make them "
                              "from the same base)")
-    mopd = config.mopd
     try:
         with mopd.mixture() as mixture:
             domains = mixture.domains

@@ -390,9 +390,9 @@ class RolloutMicroBatch:
     policy loss); valid [B, L]: not padding; expert_ids {router: [B, L, K]} (padding: experts 0..K-1); scores
     {name: [B, L, ...]}; stats: the batch's rollout statistics (the same for every micro-batch of the step); domains:
     each row's task domain (per-domain metrics: MOPD's reverse KL to each domain's teacher). Under context
-    parallelism a micro-batch is one share of the rows' positions (`share`): following_ids and following_labels
-    [B, <= D] are the ids and labels after it, which the MTP depths at its last positions read and are scored
-    against (None for whole rows)."""
+    parallelism a micro-batch is one share of the rows' positions (`share`): following_ids, following_labels and
+    following_valid [B, <= D] are the ids, labels and validity after it, which the MTP depths at its last positions
+    read and are scored against (None for whole rows)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -406,10 +406,17 @@ class RolloutMicroBatch:
     domains: list[str] = field(default_factory=list)
     following_ids: torch.Tensor | None = None
     following_labels: torch.Tensor | None = None
+    following_valid: torch.Tensor | None = None
 
     @property
     def completion_mask(self) -> torch.Tensor:
         return self.labels != IGNORE_INDEX
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """The real positions, and under CP those after the share: the learner's expert counts leave out the
+        padding, whose amount depends on how rows were batched and sharded (`HybridLM.forward(counted=...)`)."""
+        return self.valid if self.following_valid is None else torch.cat([self.valid, self.following_valid], dim=1)
 
     def mtp_targets(self, depth: int) -> torch.Tensor:
         """MTP depth `depth`'s targets [B, L] (`hybridtron.model.lm.mtp_targets`), a share's last ones completed by
@@ -468,10 +475,11 @@ class RolloutMicroBatch:
         """Cp rank `rank` of `size`'s part of every row (context parallelism: its head and tail chunks of the row's
         positions as two rows, `hybridtron.dist.context_parallel.shard_sequence`), with the `lookahead` ids and
         labels after each chunk. A row's own values (advantage, trained, domain) go with both its chunks."""
-        from hybridtron.dist.context_parallel import chunk_rows, shard_sequence
+        from hybridtron.dist.context_parallel import chunk_rows, chunk_rows_ahead, shard_sequence
 
         input_ids, labels_ahead, following_ids = shard_sequence(self.input_ids, self.labels, rank, size, lookahead)
         length = input_ids.shape[1]
+        valid_ahead = chunk_rows_ahead(self.valid, rank, size, lookahead, False)
 
         def cut(tensor):
             return chunk_rows(tensor, rank, size)
@@ -479,11 +487,12 @@ class RolloutMicroBatch:
         return RolloutMicroBatch(
             input_ids=input_ids, labels=labels_ahead[:, :length], rollout_logprobs=cut(self.rollout_logprobs),
             advantages=self.advantages.repeat_interleave(2), trained=self.trained.repeat_interleave(2),
-            valid=cut(self.valid), expert_ids=None if self.expert_ids is None else
+            valid=valid_ahead[:, :length], expert_ids=None if self.expert_ids is None else
             {k: cut(v) for k, v in self.expert_ids.items()},
             scores={k: cut(v) for k, v in self.scores.items()}, stats=self.stats,
             domains=[domain for domain in self.domains for _ in range(2)],
-            following_ids=following_ids, following_labels=labels_ahead[:, length:])
+            following_ids=following_ids, following_labels=labels_ahead[:, length:],
+            following_valid=valid_ahead[:, length:])
 
 
 def sharded_length(length: int, cp: int, tp: int, min_chunk: int) -> int:
@@ -531,6 +540,18 @@ def pack_micro_batches(batch: RolloutBatch, micro_batches: int, pad_id: int = 0)
     return [_pack_rows(rollouts[a:b], trained[a:b], batch.stats, pad_id) for a, b in zip(bounds, bounds[1:])]
 
 
+def uniform_micro_batches(micro_batches: list[RolloutMicroBatch], count: int, pad_id: int = 0
+                          ) -> list[RolloutMicroBatch]:
+    """`count` micro-batches of one shape, for a pipeline schedule (its stages exchange fixed-shape activations, and
+    it runs a fixed number of micro-batches): each padded to the most rows and positions of any, and empty ones (all
+    padding) appended. Padding adds nothing to any loss, count or metric, so the step is the same."""
+    rows = max(mb.input_ids.shape[0] for mb in micro_batches)
+    length = max(mb.input_ids.shape[1] for mb in micro_batches)
+    empty = micro_batches[0].rows(0, 0)
+    return [mb.padded(rows, length, pad_id) for mb in micro_batches] + \
+        [empty.padded(rows, length, pad_id) for _ in range(count - len(micro_batches))]
+
+
 def _pack_rows(rollouts: list[Rollout], trained: list[bool], stats: dict, pad_id: int) -> RolloutMicroBatch:
     lengths = [len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts]
     B, L = len(rollouts), max(lengths)
@@ -567,18 +588,15 @@ def _pack_rows(rollouts: list[Rollout], trained: list[bool], stats: dict, pad_id
         stats=dict(stats), domains=[r.domain for r in rollouts])
 
 
-def rollout_router_counts(model, out, mb: RolloutMicroBatch) -> dict[str, torch.Tensor]:
-    """The expert counts of a learner forward on rollouts (`ObjectiveOutput.counts`): every backbone router's over
-    the real tokens, not the padding; the MTP block's routers, when the MTP loss did not run them, count none."""
+def rollout_router_counts(model, out) -> dict[str, torch.Tensor]:
+    """The expert counts of a learner forward on rollouts (`ObjectiveOutput.counts`; the forward counted the real
+    tokens only, `HybridLM.forward(counted=valid)`); the MTP block's routers, when the MTP loss did not run them,
+    count none."""
     from hybridtron.train.objectives import router_counts
 
     counts = router_counts(model, out)
-    valid = mb.valid.flatten()
     for name, moe in model.routers().items():
-        if name.startswith("mtp."):
-            counts.setdefault(name, torch.zeros(moe.gate.num_experts, dtype=torch.long))
-        else:
-            counts[name] = torch.bincount(moe.last_expert_ids[valid].flatten(), minlength=moe.gate.num_experts)
+        counts.setdefault(name, torch.zeros(moe.gate.num_experts, dtype=torch.long))
     return counts
 
 
@@ -655,6 +673,8 @@ class RolloutBatches:
                  "policy_staleness": float(batch.index - 1 - batch.policy_version)}
         batch.stats = stats
         micro_batches = pack_micro_batches(batch, self.grad_accum, self.pad_id)
+        if self.parallel is not None and self.parallel.layout.pp > 1:
+            micro_batches = uniform_micro_batches(micro_batches, self.grad_accum, self.pad_id)
         if self.parallel is not None:
             config = self.trainer.model.config
             micro_batches = [shard_micro_batch(mb, self.parallel, self.pad_id, lookahead=config.mtp_depths,
@@ -701,23 +721,19 @@ class RolloutBatches:
             self.role_states = state["role_states"]
 
 
-def learner_layout(dist_config, model_config, learner_config, *, rows: int, seq_len: int, what: str) -> dict:
+def learner_layout(dist_config, model_config, learner_config, *, rows: int, seq_len: int, grad_accum: int,
+                   what: str) -> dict:
     """The `start_parallel` arguments of an RL learner (GRPO, MOPD; `learner_config` its [grpo] or [mopd] section)
-    whose micro-batches hold `rows` rollouts of up to `seq_len` positions, after the checks of
-    `dist.mesh.check_run_layout` (rows and positions are padded to whole shares, so only the structural rules apply)
-    and the RL learner's own: no pipeline parallelism (the objective runs the model itself, with routing replay,
-    which a pipeline schedule cannot), no routing replay under TP, and under CP only the token-level loss (a
-    sequence-level aggregation or correction needs each whole sequence on one rank). A ValueError names the
-    setting; no process group is built."""
+    whose steps hold `grad_accum` micro-batches of `rows` rollouts of up to `seq_len` positions, after the checks of
+    `dist.mesh.check_run_layout` (rows and positions are padded to whole shares, so only the structural rules apply,
+    and under PP the micro-batches to one shape: `uniform_micro_batches`) and the RL learner's own: no routing replay
+    under TP, and under CP only the token-level loss (a sequence-level aggregation or correction needs each whole
+    sequence on one rank). A ValueError names the setting; no process group is built."""
     from hybridtron.dist.mesh import Layout, check_run_layout, world_from_env
 
     world = world_from_env()[0]
     layout = Layout(**dist_config.degrees(world))
     section = what.lower()
-    if layout.pp > 1:
-        raise ValueError(f"dist.pp={layout.pp}: {what}'s learner shards over dp, cp and ep (and tp); its objective "
-                         "runs the model itself (routing replay, per-token rollout log-probs), which a pipeline "
-                         "schedule does not; use pp=1")
     if layout.tp > 1 and learner_config.routing_replay:
         raise ValueError(f"dist.tp={layout.tp}: routing replay is not supported under tensor parallelism; set "
                          f"{section}.routing_replay=false or dist.tp=1")
@@ -728,7 +744,7 @@ def learner_layout(dist_config, model_config, learner_config, *, rows: int, seq_
                 raise ValueError(f"dist.cp={layout.cp}: {section}.{name}={value} needs each whole sequence on one "
                                  f"rank, and under context parallelism a rank holds a share of its positions; use "
                                  f"the token-level default or dist.cp=1")
-    sizes = dict(batch_size=-(-rows // layout.dp) * layout.dp, grad_accum=1, context_parallel=True,
+    sizes = dict(batch_size=-(-rows // layout.dp) * layout.dp, grad_accum=grad_accum, context_parallel=True,
                  seq_len=sharded_length(seq_len, layout.cp, layout.tp, model_config.conv_kernel - 1))
     check_run_layout(dist_config, model_config, world, **sizes)
     return sizes

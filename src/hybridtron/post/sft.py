@@ -245,11 +245,18 @@ class SFTObjective:
         input_ids, labels, *following = micro_batch  # under CP a share: its labels run on past its ids
         ahead = {"following_ids": following[0]} if following else {}
         out = model(input_ids, **ahead)  # logits, the MTP depths' logits, expert counts; the loss is ours
-        result = self.loss_from_outputs(model, (out.logits, *out.mtp_logits), labels)
+        result = self.loss_from_outputs(model, (out.logits, *out.mtp_logits), micro_batch)
         result.tokens, result.expert_counts = input_ids.numel(), router_counts(model, out)
         return result
 
-    def loss_from_outputs(self, model, outputs, labels_BT):
+    @staticmethod
+    def stage_inputs(micro_batch):
+        """Under PP: what the stages read of a micro-batch (`train.objectives.token_stage_inputs`)."""
+        from hybridtron.train.objectives import token_stage_inputs
+
+        return token_stage_inputs(micro_batch)
+
+    def loss_from_outputs(self, model, outputs, micro_batch):
         """The loss of one micro-batch from its logits, `outputs` = (logits, *each MTP depth's logits) (also what
         a pipeline's last stage calls; the expert counts are then the pipeline's to collect)."""
         import torch
@@ -257,6 +264,7 @@ class SFTObjective:
         from hybridtron.ops.cross_entropy import IGNORE_INDEX
         from hybridtron.train.objectives import ObjectiveOutput, window_targets
 
+        labels_BT = micro_batch[1]
         logits, *mtp_logits = outputs
         length = logits.shape[1]  # under CP `labels_BT` runs past the share (window_targets)
         targets = window_targets(labels_BT, 0, length)

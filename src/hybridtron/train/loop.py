@@ -146,18 +146,20 @@ class Trainer:
 
     def run_micro_batches(self, micro_batches) -> tuple[list[dict], int, dict[str, torch.Tensor]]:
         """Forward and backward of each micro-batch: (their metrics, tokens, expert counts per router). Under PP the
-        pipeline schedule runs them all and the objective's loss runs on the last stage."""
+        pipeline schedule runs them all (what its stages read of each: the objective's `stage_inputs`) and the
+        objective's loss runs on the last stage, on the micro-batch the schedule names by index."""
         metrics, tokens, counts = [], 0, {}
         pipeline = self.parallel.pipeline if self.parallel is not None else None
         if pipeline is not None:
-            def last_stage_loss(outputs, labels):
-                out = self.objective.loss_from_outputs(self.model, outputs, labels)
+            def last_stage_loss(outputs, index):
+                out = self.objective.loss_from_outputs(self.model, outputs, micro_batches[int(index)])
                 metrics.append(out.metrics)
                 return out.loss
 
+            inputs = [self.objective.stage_inputs(micro_batch) for micro_batch in micro_batches]
             with self.autocast():
-                counts = pipeline.step(micro_batches, last_stage_loss)
-            return metrics, sum(ids.numel() for ids, *_ in micro_batches), counts
+                counts = pipeline.step(inputs, last_stage_loss)
+            return metrics, sum(mb.tokens for mb in inputs), counts
         for micro_batch in micro_batches:
             with self.autocast():
                 out = self.objective(self.model, micro_batch)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
+from hybridtron.dist.pipeline import MicroBatchInputs
 from hybridtron.model.lm import cross_entropy, mtp_targets
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.ops.linear_cross_entropy import linear_cross_entropy
@@ -45,6 +46,10 @@ class Objective(Protocol):
         """See the whole step before its first forward (e.g. to count its valid tokens)."""
 
     def __call__(self, model, micro_batch: Any) -> ObjectiveOutput: ...
+
+    # Under pipeline parallelism the trainer runs the model through the schedule instead of calling the objective:
+    #   stage_inputs(micro_batch) -> MicroBatchInputs      what the stages read (ids, routing replay)
+    #   loss_from_outputs(model, outputs, micro_batch)     the loss on the last stage, from (logits, *MTP logits)
 
 
 class BatchSource(Protocol):
@@ -77,6 +82,14 @@ def target_counts(labels_BT: torch.Tensor, depths: int, length: int | None = Non
     each MTP depth."""
     length = labels_BT.shape[1] if length is None else length
     return torch.stack([(window_targets(labels_BT, d, length) != IGNORE_INDEX).sum() for d in range(depths + 1)])
+
+
+def token_stage_inputs(micro_batch) -> MicroBatchInputs:
+    """What a pipeline's stages read of an (input_ids, labels[, following_ids]) micro-batch: the ids, under CP with
+    the ids that follow the share (the MTP depths embed them); its tokens are the share's positions."""
+    input_ids, _, *following = micro_batch
+    return MicroBatchInputs(torch.cat([input_ids, *following], dim=1), tokens=input_ids.numel(),
+                            lookahead=following[0].shape[1] if following else 0)
 
 
 def local_head_weight(model) -> torch.Tensor | None:
@@ -124,7 +137,8 @@ class PretrainObjective:
         weight = local_head_weight(model) if self.fused_head else None
         if weight is None:
             out = model(input_ids, **ahead)
-            return self.loss_from_outputs(model, (out.logits, *out.mtp_logits), labels, router_counts(model, out))
+            return self.loss_from_outputs(model, (out.logits, *out.mtp_logits), micro_batch,
+                                          router_counts(model, out))
         out = model(input_ids, logits=False, **ahead)
         lm_loss, *mtp_losses = [
             linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX)
@@ -132,10 +146,13 @@ class PretrainObjective:
         loss, metrics = self._combine(model, lm_loss, mtp_losses, labels, input_ids.shape[1])
         return ObjectiveOutput(loss / self.micro_batches, metrics, input_ids.numel(), router_counts(model, out))
 
-    def loss_from_outputs(self, model, outputs, labels, expert_counts=None):
+    stage_inputs = staticmethod(token_stage_inputs)  # under PP: what the stages read
+
+    def loss_from_outputs(self, model, outputs, micro_batch, expert_counts=None):
         """One micro-batch's loss from its logits, `outputs` = (logits, *each MTP depth's logits), as a pipeline's
         last stage computes them: the loss `HybridLM.forward` computes, shared out as `__call__` does. Under a
         pipeline the expert counts are the pipeline's to collect."""
+        labels = micro_batch[1]
         lm_loss, *mtp_losses = [self.cross_entropy(logits, targets)
                                 for logits, targets in self._targets(outputs, labels)]
         loss, metrics = self._combine(model, lm_loss, mtp_losses, labels, outputs[0].shape[1])

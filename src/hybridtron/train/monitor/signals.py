@@ -188,6 +188,8 @@ class UpdateRatio(Signal):
 
 class RouterBiasSpread(Signal):
     def after_update(self, trainer, stats, applied):
-        return {f"router_bias_spread/{name}": float(moe.gate.e_score_correction_bias.max()
-                                                    - moe.gate.e_score_correction_bias.min())
-                for name, moe in trainer.model.routers().items()}
+        values = {f"router_bias_spread/{name}": float(moe.gate.e_score_correction_bias.max()
+                                                      - moe.gate.e_score_correction_bias.min())
+                  for name, moe in trainer.model.routers().items()}
+        parallel = getattr(trainer, "parallel", None)  # under PP each stage holds its own routers
+        return values if parallel is None else parallel.merge_over_stages(values)
