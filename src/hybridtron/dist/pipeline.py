@@ -222,8 +222,9 @@ class Pipeline:
         first = micro_batches[0]
         shape = (first.input_ids.shape, first.lookahead)
         if any((mb.input_ids.shape, mb.lookahead) != shape for mb in micro_batches):
+            shapes = sorted({tuple(mb.input_ids.shape) for mb in micro_batches})
             raise ValueError("a pipeline step's micro-batches must all have one shape (its stages exchange "
-                             f"fixed-shape activations); got {sorted({tuple(mb.input_ids.shape) for mb in micro_batches})}")
+                             f"fixed-shape activations); got {shapes}")
         rows, width = first.input_ids.shape
         stages = self.stages("train", (rows, width - first.lookahead), first.lookahead)
         schedule = self._schedule(stages, len(micro_batches), loss_fn, self.schedule_name)
