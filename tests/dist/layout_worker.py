@@ -127,7 +127,8 @@ def parse_layout(text: str) -> tuple[DistConfig, dict]:
         if key in TRAIN_OPTIONS:
             options[key] = value
         else:
-            values[key] = value if key == "pp_schedule" else (float(value) if "." in value else int(value))
+            values[key] = value if key in ("pp_schedule", "cp_attention") else \
+                (float(value) if "." in value else int(value))
     return DistConfig(**values), options
 
 

@@ -91,6 +91,9 @@ def test_dist_section_parses_and_validates():
         build_run_config("tiny", overrides=["dist.dp_shard=0"])
     with pytest.raises(ValueError, match="dist.pp_schedule must be one of"):
         build_run_config("tiny", overrides=["dist.pp_schedule=zigzag"])
+    assert build_run_config("tiny", overrides=["dist.cp_attention=ring"]).dist.cp_attention == "ring"
+    with pytest.raises(ValueError, match="dist.cp_attention must be one of all-gather, ring, got 'alltoall'"):
+        build_run_config("tiny", overrides=["dist.cp_attention=alltoall"])
     with pytest.raises(ValueError, match="unknown dist fields"):
         build_run_config("tiny", overrides=["dist.sp=2"])
 

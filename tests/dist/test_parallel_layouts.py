@@ -1,7 +1,8 @@
 """Every parallel layout trains exactly as one process does on the same global batches: FSDP2, TP (with sequence
 parallelism), EP (dropless and capacity-limited), PP (1F1B and interleaved), CP, ETP (each expert's width split
 over the TP group) on 2 processes and DP x TP x EP with and without ETP, DP x CP x EP, CP 4 (head and tail
-chunks of 4 positions: every Mamba conv and scan reads across chunks), CP x TP (x EP) and CP x PP (x EP) on 4, with
+chunks of 4 positions: every Mamba conv and scan reads across chunks), CP x TP (x EP) and CP x PP (x EP) on 4 (CP 2,
+CP 4 and CP x TP with ring attention as well as the all-gather), with
 activation checkpointing and compile composed in, on gloo (DP, TP, EP, PP and DP x TP x EP 10 steps, the rest 3):
 losses and gradient norms equal to 1e-5 (fp32), token and expert counts equal. NVFP4 emulation composes too: under
 TP each rank quantizes its own weight shard (with its own amax), so the losses are close to one process's, not
@@ -78,7 +79,7 @@ WORLD_2 = ["dp_shard=2", "tp=2", "ep=2", "pp=2"]
 WORLD_2_SHORT = [f"{layout},steps={SHORT_STEPS}" for layout in [
     "pp=2,pp_schedule=interleaved-1f1b", "tp=2,recompute=full,compile=aot_eager", "ep=2,recompute=selective",
     "ep=2,ep_capacity_factor=8.0", "cp=2", "cp=2,ep=2,recompute=selective", "cp=2,recompute=full,compile=aot_eager",
-    "tp=2,etp=2", "tp=2,etp=2,recompute=selective"]]
+    "cp=2,cp_attention=ring,recompute=full,compile=aot_eager", "tp=2,etp=2", "tp=2,etp=2,recompute=selective"]]
 CAPPED = "ep=2,ep_capacity_factor=0.5"  # half the mean load per expert: rows are dropped (10 steps: the tiny
 # model's routed experts add little to its output, so dropping half their rows moves the loss by parts in 1e6)
 WORLD_2_NVFP4 = [f"tp=2,precision=nvfp4,steps={NVFP4_STEPS}", f"ep=2,precision=nvfp4,steps={NVFP4_STEPS}"]
@@ -118,7 +119,8 @@ def test_layouts_on_two_processes_match_one_process(tmp_path, reference, short_r
 # on 4 processes: test_dist_checkpoints.py
 WORLD_4 = ["tp=2,ep=2"]
 WORLD_4_SHORT = [f"{layout},steps={SHORT_STEPS}" for layout in [
-    "tp=2,etp=2,ep=2", "dp_shard=2,cp=2,ep=2", "cp=4", "cp=2,tp=2", "cp=2,tp=2,ep=2,recompute=selective", "cp=2,pp=2",
+    "tp=2,etp=2,ep=2", "dp_shard=2,cp=2,ep=2", "cp=4", "cp=4,cp_attention=ring", "cp=2,tp=2",
+    "cp=2,tp=2,cp_attention=ring", "cp=2,tp=2,ep=2,recompute=selective", "cp=2,pp=2",
     "cp=2,pp=2,ep=2,pp_schedule=interleaved-1f1b"]]
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "nccl", "gloo")
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
+CP_ATTENTION = ("all-gather", "ring")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +29,7 @@ class DistConfig:
     backend: str = "auto"  # auto: NCCL on CUDA devices, gloo on CPU
     pp_schedule: str = "1f1b"  # 1f1b | interleaved-1f1b (two stages per rank) | gpipe
     ep_capacity_factor: float = 0.0  # 0 = dropless; > 0: each expert takes at most ceil(cf x tokens x k / E) rows
+    cp_attention: str = "all-gather"  # all-gather: every rank gets the sequence's K/V; ring: K/V pass rank to rank
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "etp"):
@@ -40,6 +42,8 @@ class DistConfig:
             raise ValueError(f"dist.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"dist.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}")
+        if self.cp_attention not in CP_ATTENTION:
+            raise ValueError(f"dist.cp_attention must be one of {', '.join(CP_ATTENTION)}, got {self.cp_attention!r}")
         if not self.ep_capacity_factor >= 0:
             raise ValueError(f"dist.ep_capacity_factor must be >= 0 (0 = dropless), got {self.ep_capacity_factor}")
 

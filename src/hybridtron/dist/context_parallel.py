@@ -12,8 +12,9 @@ modules' classes for the forms below (their parameters and names stay):
 
 - Attention (`ContextParallelAttention`): the keys and values of the whole sequence are all-gathered and put back
   in sequence order (`sequence_chunks`); each chunk's queries attend to the keys up to its own end under the
-  causal mask shifted by its offset. (Ring attention would overlap the exchange with compute; the all-gather is
-  what torchtitan's allgather CP rotation does, and is exact.)
+  causal mask shifted by its offset (what torchtitan's allgather CP rotation does). With `dist.cp_attention =
+  "ring"` the keys and values pass from rank to rank instead, each transfer overlapping a block's compute, and no
+  rank holds the whole sequence's (`ring_attention.py`); both are exact.
 - Mamba-2 (`ContextParallelMamba2Mixer`): the scan is linear in its state, so each chunk scans from a zero state,
   then the chunks' final states and total decays are all-gathered and each chunk adds what the state entering it
   contributes: y_t += exp(sum of a up to t) C_t . S_in, with S_in the earlier chunks' states carried through their
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridtron.dist.collectives import gather_shares
+from hybridtron.dist.ring_attention import ring_attention
 from hybridtron.model.attention import Attention
 from hybridtron.model.lm import PAST_END
 from hybridtron.model.mamba2 import Mamba2Mixer
@@ -81,6 +83,7 @@ class _ContextParallel:
     cp_group: dist.ProcessGroup
     cp_rank: int
     cp_size: int
+    cp_attention: str = "all-gather"  # attention only: or "ring"
 
     def _check_training_forward(self, cache) -> None:
         if cache is not None:
@@ -92,9 +95,11 @@ class ContextParallelAttention(_ContextParallel, Attention):
     def forward(self, hidden_BTD: torch.Tensor, kv=None, lengths=None) -> torch.Tensor:
         self._check_training_forward(kv)
         q, k, v = self.project(hidden_BTD)  # [2B, heads, T, head_dim]: (head, tail) chunk rows
-        # the whole sequence's keys and values [B, heads, L, head_dim]
-        keys, values = (sequence_chunks(t, self.cp_group).movedim(0, 2).flatten(2, 3) for t in (k, v))
-        out = chunk_attention(q, keys, values, own_chunks(self.cp_rank, self.cp_size))
+        if self.cp_attention == "ring":
+            out = ring_attention(q, k, v, self.cp_group)
+        else:  # the whole sequence's keys and values [B, heads, L, head_dim]
+            keys, values = (sequence_chunks(t, self.cp_group).movedim(0, 2).flatten(2, 3) for t in (k, v))
+            out = chunk_attention(q, keys, values, own_chunks(self.cp_rank, self.cp_size))
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
@@ -164,14 +169,17 @@ class ContextParallelMamba2Mixer(_ContextParallel, Mamba2Mixer):
 CONTEXT_PARALLEL_FORMS = {Attention: ContextParallelAttention, Mamba2Mixer: ContextParallelMamba2Mixer}
 
 
-def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
+def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, attention: str = "all-gather") -> None:
     """Swap every attention and Mamba-2 mixer of `model` (the MTP block's too) for its context-parallel form over
-    `group` (its class only: the parameters and their names stay)."""
+    `group` (its class only: the parameters and their names stay); `attention`: how attention exchanges its keys
+    and values, "all-gather" or "ring" (`dist.cp_attention`)."""
     for module in model.modules():
         form = CONTEXT_PARALLEL_FORMS.get(type(module))
         if form is not None:
             module.__class__ = form
             module.cp_group, module.cp_rank, module.cp_size = group, dist.get_rank(group), dist.get_world_size(group)
+            if form is ContextParallelAttention:
+                module.cp_attention = attention
 
 
 def shard_sequence(input_ids_BT: torch.Tensor, labels_BT: torch.Tensor, rank: int, size: int, lookahead: int

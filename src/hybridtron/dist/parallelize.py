@@ -106,7 +106,7 @@ def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str =
     if layout is not None and layout.cp > 1:  # before TP, which wraps the forward of the class it finds
         from hybridtron.dist.context_parallel import apply_context_parallel
 
-        apply_context_parallel(model, parallel.group("cp"))
+        apply_context_parallel(model, parallel.group("cp"), parallel.config.cp_attention)
     if layout is not None and layout.tp > 1:
         from hybridtron.dist.tensor_parallel import apply_tensor_parallel
 

@@ -602,7 +602,7 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
 
             reference.to(parallel.device)
             if parallel.layout.cp > 1:
-                apply_context_parallel(reference, parallel.group("cp"))
+                apply_context_parallel(reference, parallel.group("cp"), parallel.config.cp_attention)
     async_mode = grpo.async_rollouts
     staleness = grpo.staleness if async_mode else 0
     backend = grpo.rollout_backend if async_mode else "inline"
