@@ -25,8 +25,8 @@ PATTERN_CHAR_TO_KIND = {"M": MAMBA, "*": ATTENTION, "E": MOE, "-": MLP}
 KIND_TO_PATTERN_CHAR = {v: k for k, v in PATTERN_CHAR_TO_KIND.items()}
 LEGACY_KIND_NAMES = {"mamba": MAMBA, "attention": ATTENTION}
 
-# transformers' prefill clamps dt at config.time_step_min (see ModelConfig.to_hf); an HF export moves the init value
-# aside and writes the smallest normal fp32 there, where the clamp changes nothing.
+# transformers' prefill (up to 5.24) clamps dt at config.time_step_min (see ModelConfig.to_hf); an HF export moves the
+# init value aside and writes the smallest normal fp32 there, where the clamp changes nothing.
 INIT_TIME_STEP_MIN_KEY = "hybridtron_init_time_step_min"
 TRANSFORMERS_DT_CLAMP = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 
@@ -293,8 +293,9 @@ class ModelConfig:
 
         `export`: the config.json of a checkpoint published for other readers. Every `nemotron_h` reader but one
         computes dt = softplus(.) clamped to `time_step_limit` = (0, inf): vLLM, Megatron (mamba_ssm's kernels),
-        NVIDIA's reference code, transformers' own one-token decode step, and hybridtron. transformers' prefill
-        alone clamps at `time_step_min` (an init hyperparameter everywhere else), so a trained model whose dt falls
+        NVIDIA's reference code, transformers' own one-token decode step, and hybridtron. transformers' prefill up to
+        5.24 alone clamps at `time_step_min` (an init hyperparameter everywhere else; 5.25 reads `time_step_limit`
+        as the rest do), so a trained model whose dt falls
         below it gives other logits there. The export therefore writes the smallest normal fp32 as
         `time_step_min` (transformers' clamp then changes nothing but denormals) and keeps the init value under
         `hybridtron_init_time_step_min`, which `from_hf` restores."""

@@ -23,7 +23,7 @@ class DistConfig:
     dp_shard: int = -1  # FSDP degree; -1 = the rest of the world after the other degrees
     tp: int = 1  # tensor parallel (attention by heads, Mamba by heads and groups, MLPs column/row; SP norms)
     pp: int = 1  # pipeline stages (cut at layer boundaries; embedding on the first, lm_head, MTP, loss on the last)
-    cp: int = 1  # context parallel: sequence shares per rank (pretraining, SFT; context_parallel.py)
+    cp: int = 1  # context parallel: head and tail chunks of every sequence per rank (context_parallel.py)
     ep: int = 1  # expert parallel: n_routed_experts / ep experts per rank, tokens dispatched by all-to-all
     etp: int = 1  # expert tensor parallel (1: each rank holds whole experts)
     backend: str = "auto"  # auto: NCCL on CUDA devices, gloo on CPU
