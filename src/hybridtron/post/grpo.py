@@ -597,7 +597,8 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     reference = None
     if grpo.kl_coef > 0 or grpo.reference_kl:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
-        if parallel is not None:  # a whole copy on every rank (under CP, exchanging over the cp group as the policy)
+        if parallel is not None:  # a whole copy on every rank (under CP exchanging over the cp group as the policy;
+            # under PP run by the last stage, inside the loss)
             from hybridtron.dist.context_parallel import apply_context_parallel
 
             reference.to(parallel.device)
