@@ -147,6 +147,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
+        with torch.autocast(grad.device.type, enabled=False):  # a pipeline schedule runs backwards under autocast
+            return _RingAttention._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -172,5 +177,7 @@ class _RingAttention(torch.autograd.Function):
 @torch.compiler.disable  # point-to-point exchanges inside: a graph break under train.compile
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Causal attention of this cp rank's head and tail chunk rows (q [2B, H, T, D], k and v [2B, Hkv, T, D]) over
-    their whole sequences, whose other chunks the ring brings in (module docstring); [2B, H, T, D]."""
-    return _RingAttention.apply(q, k, v, group)
+    their whole sequences, whose other chunks the ring brings in (module docstring); [2B, H, T, D] in q's dtype.
+    The blocks and their merge run in fp32 under autocast too (the merge's rescaling would lose bf16's few bits)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _RingAttention.apply(q, k, v, group)
