@@ -3,18 +3,18 @@
 The all-gather form (`context_parallel.ContextParallelAttention`) gives every cp rank the whole sequence's keys
 and values, keeps them for the backward, and only then computes. Here the keys and values travel instead: at step
 s of cp, rank r holds the chunks of rank r - s (its head and tail, two rows per sequence) and sends them on to
-r + 1 while it computes with them, so each transfer overlaps a block's compute, and a rank never holds more than
-two ranks' keys and values (its own, the ones in flight). Each of its query chunks c reads a key chunk j fully if
-j < c, causally if j = c, and not at all if j > c; the partial outputs merge by their log-sum-exps (the online
-softmax of flash attention), so the result is the causal attention over the whole sequence, as the all-gather
-gives it (tested to 1e-5 in fp32, forward and backward).
+r + 1 while it computes with them, so each transfer overlaps a block's compute, and a rank holds two ranks'
+keys and values at a time (the ones it computes with, the ones arriving), never the whole sequence's. Each of its
+query chunks c reads a key chunk j fully if j < c, causally if j = c, and not at all if j > c; the partial outputs
+merge by their log-sum-exps (the online softmax of flash attention), so the result is the causal attention over
+the whole sequence, as the all-gather gives it (tested to 1e-5 in fp32, forward and backward).
 
 The backward runs the ring again (Liu et al., "Ring Attention with Blockwise Transformers", 2023; the causal
 zig-zag placement as in Megatron's and ring-flash-attention's): each step computes the block's query gradient here,
 and the block's key and value gradients into accumulators that travel with the keys and values, arriving back at
 their owner after cp shifts. Only q, this rank's k and v, the output and its log-sum-exp are saved.
 
-A block is one query chunk over one key chunk, in fp32: on a CPU torch's flash-attention kernel, which returns
+A block is one query chunk over one key chunk, in fp32: on a CPU, torch's flash-attention kernel, which returns
 the log-sum-exp the merge needs, and its backward (given the final output and log-sum-exp, as flash attention's
 backward is); elsewhere `block_attention_ref`, explicit matmuls (scores [rows, heads, T, T]) that run on any
 device and that the tests compare the kernel against. Departure from the papers: no striping inside a chunk,
@@ -33,7 +33,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T / sqrt(d)) v, its log-sum-exp [R, H, T]) of one query chunk over one key chunk, in fp32:
     q [R, H, T, D], k and v [R, Hkv, S, D] (H / Hkv query heads per key head); `causal`: the chunks are the same
-    positions (query t reads keys up to t). On a CPU torch's flash-attention kernel, elsewhere the reference."""
+    positions (query t reads keys up to t). On a CPU, torch's flash-attention kernel; elsewhere the reference."""
     if q.device.type != "cpu":
         return block_attention_ref(q, k, v, causal)
     groups = q.shape[1] // k.shape[1]
