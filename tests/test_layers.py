@@ -1,6 +1,6 @@
 """The import contract: dependencies run one way,
 
-    config, errors < ops < model < numerics < checkpoint < data < dist < train, infer < post < experiments < cli
+    config, errors, files < ops < model < numerics < checkpoint < data < dist < train, infer < post < experiments < cli
 
 A module may import its own layer and the layers below, at module level or inside a function alike; train and
 infer, side by side, never import each other. A lower layer importing a higher one fails here, naming both."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import hybridtron
 
 PACKAGE = Path(hybridtron.__file__).parent
-LAYERS = [("config", "errors"), ("ops",), ("model",), ("numerics",), ("checkpoint",), ("data",), ("dist",),
+LAYERS = [("config", "errors", "files"), ("ops",), ("model",), ("numerics",), ("checkpoint",), ("data",), ("dist",),
           ("train", "infer"), ("post",), ("experiments",), ("cli", "__main__")]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 SIDE_BY_SIDE = {("train", "infer"), ("infer", "train")}  # one rank, and still independent

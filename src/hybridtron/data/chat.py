@@ -48,8 +48,9 @@ import numpy as np
 
 from hybridtron.data.tokenizer import (
     BOS, IM_END, IM_START, SPECIAL_TOKENS, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START,
-    TOOL_RESPONSE_END, TOOL_RESPONSE_START, Tokenizer, _atomic_write_text,
+    TOOL_RESPONSE_END, TOOL_RESPONSE_START, Tokenizer,
 )
+from hybridtron.files import atomic_write_text
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system message
@@ -397,7 +398,7 @@ def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike, *,
     written = [tokenizer_file]
     for name, content in (("tokenizer_config.json", config),
                           ("special_tokens_map.json", {**special_tokens, "additional_special_tokens": extra})):
-        _atomic_write_text(directory / name, json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+        atomic_write_text(directory / name, json.dumps(content, indent=2, ensure_ascii=False) + "\n")
         written.append(directory / name)
     return written
 

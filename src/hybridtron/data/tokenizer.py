@@ -19,12 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from hybridtron.files import atomic_write_text
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -106,7 +107,7 @@ class Tokenizer:
         """Write `path` if it ends in `.json`, else `path/tokenizer.json`; returns the file written."""
         path = _tokenizer_file(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(path, self.backend.to_str())
+        atomic_write_text(path, self.backend.to_str())
         return path
 
     # --------------------------------------------------------------------------------------- encoding
@@ -184,22 +185,3 @@ def cached_tokenizer(
 def _tokenizer_file(path: str | os.PathLike) -> Path:
     path = Path(path)
     return path if path.suffix == ".json" else path / "tokenizer.json"
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file and rename, so a crash never leaves a half-written file. The file gets the
-    permissions of a plain `open(path, "w")` (0o666 less the umask), not the temporary file's private 0o600."""
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as f:
-        f.write(text)
-    os.chmod(f.name, 0o666 & ~_umask())
-    os.replace(f.name, path)
-
-
-def _umask() -> int:
-    try:  # Linux reports it without changing it (os.umask would, for a moment, for every thread)
-        with open("/proc/self/status", encoding="ascii") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return mask

@@ -263,7 +263,9 @@ class MOPDRunConfig:
                 "model": self.model.to_hf(), **{name: _plain(section) for name, section in self.sections().items()}}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+        from hybridtron.files import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))  # other ranks may be reading it
 
     def command(self) -> str:
         teachers = ",".join(f"{domain}={directory}" for domain, directory in self.teachers.items())

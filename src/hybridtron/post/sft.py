@@ -115,7 +115,9 @@ class SFTRunConfig:
                 **{name: _plain(section) for name, section in self.sections().items()}}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+        from hybridtron.files import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))  # other ranks may be reading it
 
     def to_toml(self) -> str:
         """[sft], [train], [monitor] and [dist] as TOML that `--config` reads back; [model] is the checkpoint's."""

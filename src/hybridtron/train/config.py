@@ -99,7 +99,9 @@ class RunConfig:
                 "monitor": _plain(self.monitor), "dist": _plain(self.dist)}
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+        from hybridtron.files import atomic_write_text
+
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))  # other ranks may be reading it
 
     def to_toml(self) -> str:
         """The configuration as a TOML file that `--config` reads back to the same RunConfig, every field with
