@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -27,3 +28,8 @@ def _umask() -> int:
         mask = os.umask(0o022)
         os.umask(mask)
         return mask
+
+
+def atomic_write_json(path: str | os.PathLike, data) -> None:
+    """`data` as indented JSON, written by `atomic_write_text` (a run's config: other ranks may be reading it)."""
+    atomic_write_text(path, json.dumps(data, indent=2))

@@ -173,8 +173,7 @@ class Pipeline:
             moe = self.routers.get(name)
             if moe is None:
                 continue
-            chosen = moe.last_expert_ids if counted is None else moe.last_expert_ids[counted.flatten()]
-            counts = torch.bincount(chosen.flatten(), minlength=moe.gate.num_experts)
+            counts = moe.last_expert_counts if counted is None else moe.counted_expert_counts(counted)
             self.counts[name] = counts if name not in self.counts else self.counts[name] + counts
 
     def stages(self, key: str, ids_shape: tuple[int, int], lookahead: int = 0) -> list[PipelineStage]:

@@ -43,10 +43,7 @@ def _stacked_counts(layers: list[MoE], counted: torch.Tensor | None = None) -> t
     """[layers, experts]: each layer's last routing, over the `counted` positions [B, T] only (None: all)."""
     if not layers or any(moe.last_expert_ids is None for moe in layers):
         return None
-    if counted is None:
-        return torch.stack([moe.last_expert_counts for moe in layers])
-    keep = counted.flatten()
-    return torch.stack([torch.bincount(moe.last_expert_ids[keep].flatten(), minlength=moe.gate.num_experts)
+    return torch.stack([moe.last_expert_counts if counted is None else moe.counted_expert_counts(counted)
                         for moe in layers])
 
 

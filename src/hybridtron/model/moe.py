@@ -140,6 +140,10 @@ class MoE(nn.Module):
             return None
         return torch.bincount(self.last_expert_ids.flatten(), minlength=self.gate.num_experts)
 
+    def counted_expert_counts(self, counted: torch.Tensor) -> torch.Tensor:
+        """`last_expert_counts` over the tokens where `counted` (bool, the forward's leading shape) is True."""
+        return torch.bincount(self.last_expert_ids[counted.flatten()].flatten(), minlength=self.gate.num_experts)
+
     def route(self, x_SD: torch.Tensor, forced_ids_SK: torch.Tensor | None = None):
         expert_ids, weights = self.gate(x_SD, forced_ids_SK)
         self.last_expert_ids = expert_ids

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import sys
 from dataclasses import dataclass, fields
@@ -216,9 +215,9 @@ class GRPORunConfig:
                 **{name: _plain(section) for name, section in self.sections().items()}}
 
     def save(self, path: str | Path) -> None:
-        from hybridtron.files import atomic_write_text
+        from hybridtron.files import atomic_write_json
 
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))  # other ranks may be reading it
+        atomic_write_json(path, self.to_dict())
 
     def to_toml(self) -> str:
         """[grpo], [train], [monitor] and [dist] as TOML that `--config` reads back; [model] is the checkpoint's."""

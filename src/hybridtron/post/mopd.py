@@ -60,7 +60,6 @@ This module's top-level imports stay light (the CLI builds its parser from it); 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -263,9 +262,9 @@ class MOPDRunConfig:
                 "model": self.model.to_hf(), **{name: _plain(section) for name, section in self.sections().items()}}
 
     def save(self, path: str | Path) -> None:
-        from hybridtron.files import atomic_write_text
+        from hybridtron.files import atomic_write_json
 
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))  # other ranks may be reading it
+        atomic_write_json(path, self.to_dict())
 
     def command(self) -> str:
         teachers = ",".join(f"{domain}={directory}" for domain, directory in self.teachers.items())
@@ -642,11 +641,10 @@ def check_inputs(config: MOPDRunConfig) -> None:
                    grad_accum=config.train.grad_accum, what="MOPD")
     mopd = config.mopd
     if mopd.warmup_steps:  # the warmup SFT runs on the same layout
-        from hybridtron.dist.mesh import check_run_layout, world_from_env
+        from hybridtron.post.sft import check_layout
 
         try:
-            check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=mopd.warmup_batch_size,
-                             grad_accum=mopd.warmup_grad_accum, seq_len=mopd.warmup_seq_len, context_parallel=True)
+            check_layout(warmup_run_config(config, Path(WARMUP_FILE)))
         except ValueError as exc:
             raise ValueError(f"the warmup (mopd.warmup_batch_size={mopd.warmup_batch_size}, mopd.warmup_grad_accum="
                              f"{mopd.warmup_grad_accum}, mopd.warmup_seq_len={mopd.warmup_seq_len}): {exc}") from None

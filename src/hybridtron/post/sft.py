@@ -115,9 +115,9 @@ class SFTRunConfig:
                 **{name: _plain(section) for name, section in self.sections().items()}}
 
     def save(self, path: str | Path) -> None:
-        from hybridtron.files import atomic_write_text
+        from hybridtron.files import atomic_write_json
 
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))  # other ranks may be reading it
+        atomic_write_json(path, self.to_dict())
 
     def to_toml(self) -> str:
         """[sft], [train], [monitor] and [dist] as TOML that `--config` reads back; [model] is the checkpoint's."""
@@ -416,17 +416,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       config_default="SFT's defaults", quiet_help="no data summary and no progress bar")
 
 
-def run(args) -> int:
+def check_layout(config: SFTRunConfig) -> None:
+    """The run's [dist] layout on this torchrun world, before anything is written: a ValueError with the reason."""
     from hybridtron.dist.mesh import check_run_layout, world_from_env
+
+    check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=config.sft.batch_size,
+                     grad_accum=config.train.grad_accum, seq_len=config.sft.seq_len, context_parallel=True)
+
+
+def run(args) -> int:
     from hybridtron.train.run import finish_run, train_in_run_dir
 
     config = resolve_config(args)
     if args.print_config:
         print(config.to_toml(), end="")
         return 0
-    check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=config.sft.batch_size,
-                     grad_accum=config.train.grad_accum, seq_len=config.sft.seq_len,
-                     context_parallel=True)  # before anything is written
+    check_layout(config)
     result = train_in_run_dir(args, config, SFTRunConfig.load, lambda out, checkpoints: build_trainer(
         config, out, checkpoints, quiet=args.quiet))
     if result is None:  # the run in --out was already complete

@@ -99,9 +99,9 @@ class RunConfig:
                 "monitor": _plain(self.monitor), "dist": _plain(self.dist)}
 
     def save(self, path: str | Path) -> None:
-        from hybridtron.files import atomic_write_text
+        from hybridtron.files import atomic_write_json
 
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2))  # other ranks may be reading it
+        atomic_write_json(path, self.to_dict())
 
     def to_toml(self) -> str:
         """The configuration as a TOML file that `--config` reads back to the same RunConfig, every field with
