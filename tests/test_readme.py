@@ -1,4 +1,5 @@
-"""The README's annotated layout names every module of the package, so the tree a newcomer reads stays true."""
+"""The README stays true and whole: its annotated layout names every module of the package, and no section is
+written twice."""
 
 import re
 from pathlib import Path
@@ -28,3 +29,11 @@ def test_the_layout_names_every_module_and_package():
         if name not in block:
             missing.append("/".join(parts))
     assert not missing, f"README.md's layout does not mention: {', '.join(missing)}"
+
+
+def test_no_section_is_written_twice():
+    """Each heading once: an edit once pasted the quickstart into the GRPO section, followed by a second copy of the
+    README from "Commands" on, and nothing noticed for two days."""
+    headings = re.findall(r"^#{2,4} .+$", (ROOT / "README.md").read_text(), re.M)
+    repeated = sorted({h for h in headings if headings.count(h) > 1})
+    assert not repeated, f"README.md repeats the section(s): {', '.join(repeated)}"

@@ -417,9 +417,11 @@ def test_async_with_staleness_0_makes_the_synchronous_update_and_staleness_1_is_
     assert _same(sync, async0)
     inline1, lines1 = _train(policy_dir, tmp_path, "inline1", async_rollouts=True, staleness=1,
                              rollout_backend="inline")
+    # two rollout processes, each generating half of every round: the batches one process makes
     process1, process_lines = _train(policy_dir, tmp_path, "process1", async_rollouts=True, staleness=1,
-                                     rollout_backend="process")
+                                     rollout_backend="process", rollout_replicas=2)
     assert _same(inline1, process1)  # the protocol, not the timing, fixes which weights sampled each batch
+    assert [line["rollout_ranks"] for line in process_lines] == [2.0, 2.0]
     assert not _same(sync, inline1)  # batch 2 was sampled with the initial weights
     assert [line["policy_staleness"] for line in sync_lines] == [0.0, 0.0]
     assert [line["policy_staleness"] for line in process_lines] == [0.0, 1.0]

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from hybridtron.post.roles import Role, RoleError, RolePipeline, RoleSpec
+from hybridtron.post.roles import Role, RoleError, RolePipeline, RoleSpec, check_replicas
 
 
 class Stamp(Role):
@@ -54,6 +54,53 @@ class Die(Role):
 
     def step(self, item):
         os._exit(3)
+
+
+class Square(Role):
+    """Squares its share of a list (all of it without replicas) and gathers everyone's: each square tagged with the
+    replica that made it and the weights version that replica held."""
+
+    name = "square"
+
+    def __init__(self, share=None):
+        self.share, self.version = share, None
+
+    def load_weights(self, version, state_dict):
+        self.version = version
+
+    def step(self, numbers):
+        start, stop = self.share.span(len(numbers)) if self.share is not None else (0, len(numbers))
+        rank = self.share.rank if self.share is not None else 0
+        mine = [(x * x, rank, self.version) for x in numbers[start:stop]]
+        return [y for part in (self.share.gather(mine) if self.share is not None else [mine]) for y in part]
+
+
+class Count(Role):
+    """A second replicated role: tags each square with the replica that counted it."""
+
+    name = "count"
+
+    def __init__(self, share=None):
+        self.share = share
+
+    def step(self, squares):
+        start, stop = self.share.span(len(squares)) if self.share is not None else (0, len(squares))
+        mine = [(*y, self.share.rank if self.share is not None else 0) for y in squares[start:stop]]
+        return [y for part in (self.share.gather(mine) if self.share is not None else [mine]) for y in part]
+
+
+class FailOnSecondReplica(Role):
+    name = "picky"
+
+    def __init__(self, share=None, exit_instead: bool = False):
+        self.share, self.exit_instead = share, exit_instead
+
+    def step(self, item):
+        if self.share.rank == 1:
+            if self.exit_instead:
+                os._exit(3)
+            raise ArithmeticError(f"replica 1 cannot handle {item}")
+        return self.share.gather(item)
 
 
 def exchange(pipeline: RolePipeline) -> list[dict]:
@@ -130,3 +177,61 @@ def test_bad_pipelines_are_refused():
     with RolePipeline([RoleSpec(Stamp)]) as pipeline:
         with pytest.raises(RuntimeError, match="no item in flight"):
             pipeline.receive()
+
+
+def replicated_exchange(backend: str) -> list:
+    """Weights v0, a list of 5, weights v1, a list of 3, through squaring (2 replicas) then counting (2 replicas).
+    (Ray: half a CPU each, so that the four actors fit on a two-core machine.)"""
+    cpus = {"num_cpus": 0.5}
+    with RolePipeline([RoleSpec(Square, replicas=2, resources=cpus), RoleSpec(Count, replicas=2, resources=cpus)],
+                      backend, capacity=2) as pipeline:
+        pipeline.send_weights("square", 0, {"w": torch.ones(1)})
+        pipeline.submit([1, 2, 3, 4, 5])
+        pipeline.send_weights("square", 1, {"w": torch.ones(1)})
+        pipeline.submit([6, 7, 8])
+        return [pipeline.receive().item for _ in range(2)]
+
+
+REPLICATED = [  # (square, squaring replica, its weights version, counting replica): each replica did its share
+    [(1, 0, 0, 0), (4, 0, 0, 0), (9, 1, 0, 1), (16, 1, 0, 1), (25, 1, 0, 1)],
+    [(36, 0, 1, 0), (49, 1, 1, 1), (64, 1, 1, 1)],
+]
+
+
+@pytest.mark.timeout(120)
+def test_replicas_share_each_item_and_all_get_the_weights():
+    """Two roles of two processes each: every replica gets every message, does its share, and the whole output
+    comes out once, in order."""
+    assert replicated_exchange("process") == REPLICATED
+
+
+@pytest.mark.timeout(180)
+def test_ray_replicas_share_each_item_as_processes_do():
+    pytest.importorskip("ray")
+    assert replicated_exchange("ray") == REPLICATED
+
+
+@pytest.mark.parametrize("exit_instead, message", [(False, r"(?s)role 'picky \(replica 1 of 2\)' failed.*"
+                                                           r"ArithmeticError: replica 1 cannot handle"),
+                                                   (True, r"role 'picky \(replica 1 of 2\)' died")])
+@pytest.mark.timeout(120)
+def test_a_failing_or_dead_replica_is_named_while_the_first_waits_for_it(exit_instead, message):
+    spec = RoleSpec(FailOnSecondReplica, dict(exit_instead=exit_instead), replicas=2)
+    with RolePipeline([spec], "process", timeout_s=60) as pipeline:
+        pipeline.submit(1)
+        with pytest.raises(RoleError, match=message):
+            pipeline.receive()
+
+
+def test_bad_replicas_are_refused():
+    with pytest.raises(ValueError, match="role 'square': replicas must be an integer >= 1, got 0"):
+        RoleSpec(Square, replicas=0)
+    with pytest.raises(ValueError, match=r"role replicas \(square \(2\)\) need processes"):
+        RolePipeline([RoleSpec(Square, replicas=2)], "inline")
+    with pytest.raises(ValueError, match="grpo.rollout_replicas=2: replicas are processes .* set "
+                                         "grpo.async_rollouts=true with grpo.rollout_backend=process or ray"):
+        check_replicas("grpo", {"rollout_replicas": 2}, async_rollouts=False, backend="process")
+    with pytest.raises(ValueError, match="mopd.teacher_replicas=3"):
+        check_replicas("mopd", {"teacher_replicas": 3}, async_rollouts=True, backend="inline")
+    with pytest.raises(ValueError, match="mopd.rollout_replicas must be an integer >= 1, got 0"):
+        check_replicas("mopd", {"rollout_replicas": 0}, async_rollouts=True, backend="process")

@@ -330,7 +330,7 @@ class HybridEngine:
         the samples of identical prompts share one prefill. A seeded `params.seed` makes the whole call reproducible
         (sample j of prompt i has the noise key of (seed, (first_prompt + i) * n + j)), whatever else the engine
         runs; `first_prompt` lets engines that each take a slice of one list of prompts sample it as one call would
-        (`hybridtron.post.rollout.RolloutShare`). Stop strings
+        (`hybridtron.post.roles.WorkShare`). Stop strings
         (`params.stop`) end a sequence at the token that completes one. `expert_ids` needs eager decoding (an engine
         built without `compile`)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING
 
 from hybridtron.config import ModelConfig
 from hybridtron.dist.config import DistConfig
-from hybridtron.post.roles import BACKENDS
+from hybridtron.post.roles import BACKENDS, check_replicas
 
 if TYPE_CHECKING:  # imported with torch, when a run starts
     from hybridtron.train.config import TrainConfig
@@ -108,7 +108,8 @@ class GRPOConfig:
     async_rollouts: bool = False  # true: rollouts in another process, overlapping training (one step off-policy)
     staleness: int = 1  # async: batch n is sampled with the weights after step n - 1 - staleness (0 = synchronous)
     rollout_backend: str = "process"  # async: process (torch.multiprocessing) or ray (the rl extra); inline: tests
-    rollout_threads: int = 1  # async: torch threads of the rollout process (0 = torch's default)
+    rollout_threads: int = 1  # async: torch threads of each rollout process (0 = torch's default)
+    rollout_replicas: int = 1  # async: rollout processes (or Ray actors), each generating a share of every step
     # the loss (hybridtron.post.losses.GRPOLossConfig)
     eps_clip: float = 0.2  # ratio clipped to [1 - eps_clip, 1 + eps_clip_high] (DAPO clip-higher)
     eps_clip_high: float = 0.28
@@ -177,6 +178,8 @@ class GRPOConfig:
         if self.rollout_backend not in BACKENDS:
             raise ValueError(f"grpo.rollout_backend must be one of {', '.join(BACKENDS)}, got "
                              f"{self.rollout_backend!r}")
+        check_replicas("grpo", {"rollout_replicas": self.rollout_replicas}, async_rollouts=self.async_rollouts,
+                       backend=self.rollout_backend)
         if not 0 <= self.curriculum_target <= 1:
             raise ValueError(f"grpo.curriculum_target must be in [0, 1], got {self.curriculum_target}")
         if not self.curriculum_sigma > 0:
@@ -576,8 +579,8 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
 
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
-    from hybridtron.post.roles import RoleSpec
-    from hybridtron.post.rollout import (RolloutBatches, RolloutRole, RolloutShare, learner_layout, load_env,
+    from hybridtron.post.roles import RoleSpec, WorkShare
+    from hybridtron.post.rollout import (RolloutBatches, RolloutRole, learner_layout, load_env,
                                          rollout_pipeline_factory)
     from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
 
@@ -612,7 +615,7 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     role = RoleSpec(RolloutRole, dict(model_dir=str(config.base_model), model_config=model_config, env=config.env,
                                       env_options=grpo.env_options(), config=grpo,
                                       threads=grpo.rollout_threads if backend != "inline" else 0,
-                                      share=RolloutShare() if shared else None))
+                                      share=WorkShare() if shared else None), replicas=grpo.rollout_replicas)
     rollouts = RolloutBatches(rollout_pipeline_factory([role], backend, staleness), staleness=staleness,
                               grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0, parallel=parallel,
                               shared=shared)

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING
 from hybridtron.config import ModelConfig
 from hybridtron.dist.config import DistConfig
 from hybridtron.post.grpo import THINKING, RolloutObjective
-from hybridtron.post.roles import BACKENDS
+from hybridtron.post.roles import BACKENDS, check_replicas
 
 if TYPE_CHECKING:  # imported with torch, when a run starts
     from hybridtron.train.config import TrainConfig
@@ -109,6 +109,8 @@ class MOPDConfig:
     staleness: int = 1  # async: batch n is sampled with the weights after step n - 1 - staleness (0 = synchronous)
     rollout_backend: str = "process"  # async: process (torch.multiprocessing) or ray (the rl extra); inline: tests
     rollout_threads: int = 1  # async: torch threads of each role process (0 = torch's default)
+    rollout_replicas: int = 1  # async: rollout processes (or Ray actors), each generating a share of every step
+    teacher_replicas: int = 1  # async: teacher-scoring processes (or actors), each scoring a share of the rollouts
     rollout_ray_resource: str = ""  # ray: a custom resource the rollout actor needs (places it on a machine); "" = any
     teacher_ray_resource: str = ""  # ray: the same for the teacher-scoring actor (e.g. "teachers")
     # the loss (hybridtron.post.losses.MOPDLossConfig)
@@ -222,6 +224,8 @@ class MOPDConfig:
                                      BACKENDS), ("warmup_data", self.warmup_data, WARMUP_DATA)):
             if value not in choices:
                 raise ValueError(f"mopd.{name} must be one of {', '.join(choices)}, got {value!r}")
+        check_replicas("mopd", {"rollout_replicas": self.rollout_replicas, "teacher_replicas": self.teacher_replicas},
+                       async_rollouts=self.async_rollouts, backend=self.rollout_backend)
         if not (self.mtp_loss_weight >= 0 and math.isfinite(self.mtp_loss_weight)):
             raise ValueError(f"mopd.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
         if not self.warmup_lr > 0:
@@ -562,7 +566,7 @@ def run_warmup(config: MOPDRunConfig, out: Path, *, resume: bool, quiet: bool) -
 # ------------------------------------------------------------------------------------------------- the run
 def role_specs(config: MOPDRunConfig, student_dir: str | Path, backend: str, share=None) -> list:
     """The rollout and teacher-scoring roles of the pipeline (the learner is the trainer itself); `share`: this
-    rank's part of their work when every torchrun rank runs them inline (`rollout.RolloutShare`)."""
+    rank's part of their work when every torchrun rank runs them inline (`roles.WorkShare`)."""
     from hybridtron.post.mixture import MixtureRolloutRole
     from hybridtron.post.roles import RoleSpec
     from hybridtron.post.teachers import TeacherScoringRole
@@ -576,11 +580,11 @@ def role_specs(config: MOPDRunConfig, student_dir: str | Path, backend: str, sha
     return [RoleSpec(MixtureRolloutRole, dict(model_dir=str(student_dir), model_config=config.model, envs=mopd.envs,
                                               weights=mopd.domain_weights, levels=mopd.level_map(), config=mopd,
                                               threads=threads, share=share),
-                     resources=placement(mopd.rollout_ray_resource)),
+                     resources=placement(mopd.rollout_ray_resource), replicas=mopd.rollout_replicas),
             RoleSpec(TeacherScoringRole, dict(teachers=dict(config.teachers), general=config.general,
                                               temperature=mopd.temperature, batch_size=mopd.teacher_batch_size,
                                               threads=threads, top_k=mopd.kl_top_k, share=share),
-                     resources=placement(mopd.teacher_ray_resource))]
+                     resources=placement(mopd.teacher_ray_resource), replicas=mopd.teacher_replicas)]
 
 
 def micro_batch_shape(config: MOPDRunConfig) -> tuple[int, int]:
@@ -599,7 +603,8 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
     from hybridtron.post.grpo import RunParts
-    from hybridtron.post.rollout import RolloutBatches, RolloutShare, learner_layout, rollout_pipeline_factory
+    from hybridtron.post.roles import WorkShare
+    from hybridtron.post.rollout import RolloutBatches, learner_layout, rollout_pipeline_factory
     from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
 
     stream = sys.stderr if stream is None else stream
@@ -617,7 +622,7 @@ def build_trainer(config: MOPDRunConfig, student_dir: str | Path, out: Path, che
     staleness = mopd.staleness if mopd.async_rollouts else 0
     backend = mopd.rollout_backend if mopd.async_rollouts else "inline"
     shared = parallel is not None and backend == "inline"
-    specs = role_specs(config, student_dir, backend, RolloutShare() if shared else None)
+    specs = role_specs(config, student_dir, backend, WorkShare() if shared else None)
     rollouts = RolloutBatches(rollout_pipeline_factory(specs, backend, staleness), staleness=staleness,
                               grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0, parallel=parallel,
                               shared=shared)

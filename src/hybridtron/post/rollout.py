@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import torch
 
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
-from hybridtron.post.roles import Role, RolePipeline
+from hybridtron.post.roles import Role, RolePipeline, WorkShare
 
 ROLLOUT_ROLE = "rollout"
 
@@ -177,44 +177,19 @@ def step_seed(seed: int, index: int, round_: int) -> int:
     return (seed * 1_000_003 + index * 9_176 + round_ * 131) % (2 ** 31 - 1)
 
 
-class RolloutShare:
-    """This rank's part of the roles' work when every torchrun rank runs the roles inline (the synchronous mode,
-    `RolloutBatches(shared=True)`): the rollout role generates and grades a contiguous share of each round's
-    prompts, a scoring role scores a share of the rollouts, and every rank gathers all the shares, so every rank
-    holds the batch one process would make. (An engine's samples depend on their seed and their index in the
-    round alone: `HybridEngine.generate(first_prompt=...)`.)"""
-
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-
-    def span(self, n: int) -> tuple[int, int]:
-        """[start, stop) of this rank's share of `n` items."""
-        return self.rank * n // self.world, (self.rank + 1) * n // self.world
-
-    def gather(self, part):
-        """Every rank's `part`, in rank order (so concatenated, the shares are in the order of the items)."""
-        import torch.distributed as dist
-
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, part)
-        return everyone
-
-
 # --------------------------------------------------------------------------------------- the rollout role
 class RolloutRole(Role):
     """Samples and grades one step's rollouts (see the module docstring). Built from plain values, so that it can
     be built in another process: `model_dir` (for the tokenizer and its chat template), `model_config` (the
     architecture; the weights arrive through `load_weights` before the first request), the environment (a
     registered name or `module:Factory`, see `load_env`) and its options, and `config` (a
-    `hybridtron.post.grpo.GRPOConfig`, or anything with its rollout fields). `share`: this rank's part of the
-    generation when every rank runs the role inline (`RolloutShare`)."""
+    `hybridtron.post.grpo.GRPOConfig`, or anything with its rollout fields). `share`: this process's part of the
+    generation (`roles.WorkShare`: every torchrun rank running the role inline, or the role's replicas)."""
 
     name = ROLLOUT_ROLE
 
     def __init__(self, *, model_dir: str, model_config, env: str, env_options: dict, config, threads: int = 0,
-                 share: "RolloutShare | None" = None):
+                 share: "WorkShare | None" = None):
         from hybridtron.data.chat import load_chat_tokenizer
         from hybridtron.infer.engine import HybridEngine
         from hybridtron.model.lm import HybridLM
@@ -612,7 +587,7 @@ class RolloutBatches:
 
     `parallel` (a sharded learner under torchrun, hybridtron.dist): each rank trains on its data-parallel rows of
     every micro-batch (`shard_micro_batch`), so the step is the one a single process takes. With `shared` (inline
-    roles, built with a `RolloutShare`) every rank runs the pipeline on the full weights, which every rank gathers
+    roles, built with a `WorkShare`) every rank runs the pipeline on the full weights, which every rank gathers
     (`dist.step.full_state_dict`), each generating and scoring its share of the step's rollouts, and every rank
     ends with the whole batch. Otherwise (roles in processes or Ray actors) the pipeline runs on global rank 0
     alone, with the full weights gathered there, and rank 0 broadcasts the step's batch.

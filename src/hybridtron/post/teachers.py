@@ -136,9 +136,9 @@ def check_checkpoint(directory: str, flag: str) -> None:
 class TeacherScoringRole(Role):
     """Adds `scores["teacher"]` (and with `top_k` > 0 the teacher's top-K tokens) to every rollout of a batch (see
     the module docstring). Built from plain values: the panel's `teachers` and `general`, the rollouts'
-    `temperature`, `batch_size` rows per forward, and `top_k`. `share` (every torchrun rank running the roles
-    inline, `rollout.RolloutShare`): this rank scores its share of the batch's rollouts, and every rank gathers
-    all the scores."""
+    `temperature`, `batch_size` rows per forward, and `top_k`. `share` (`roles.WorkShare`: every torchrun rank
+    running the roles inline, or the role's replicas): this process scores its share of the batch's rollouts, and
+    every one gathers all the scores."""
 
     name = TEACHER_ROLE
 
