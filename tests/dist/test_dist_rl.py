@@ -66,9 +66,10 @@ def layout_args(*settings: str) -> list[str]:
     return [arg for setting in settings for arg in ("--set", setting)]
 
 
-# DP 2 x EP 2 with split rollouts; PP 2 with rank 0's rollouts and the frozen reference's KL logged (the last stage
-# runs the reference); CP 2 x EP 2 (each rank half of every rollout's positions, the MTP depths reading on into the
-# other half), with the reference's KL (its copy exchanges over the cp group too)
+# DP 2 x EP 2 with split rollouts; PP 2 with rank 0's rollouts and the frozen reference's KL logged (the reference
+# role in its own process, its scores read by the last stage's loss); CP 2 x EP 2 (each rank half of every
+# rollout's positions, the MTP depths reading on into the other half), with the reference's KL (each rank's
+# reference role scoring half the rollouts, the scores cut to the rank's positions like the rest)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode, layout, rollout_ranks", [
     ((), ("dist.ep=2",), 2),

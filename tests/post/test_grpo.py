@@ -26,6 +26,7 @@ from hybridtron.post.envs import Environment, Task
 from hybridtron.post.grpo import (GRPO_TRAIN, GRPOConfig, GRPOObjective, GRPORunConfig, build_trainer,
                                   sampled_logprobs)
 from hybridtron.post.losses import group_advantages
+from hybridtron.post.reference import REFERENCE_SCORE, ReferenceScoringRole, score_reference
 from hybridtron.post.rollout import (PassRateCurriculum, Rollout, RolloutBatch, RolloutRequest, RolloutRole,
                                      pack_micro_batches)
 from hybridtron.train.config import TrainConfig
@@ -224,15 +225,24 @@ def test_zero_variance_groups_contribute_nothing(small_config):
     assert all(g.abs().max() == 0 for g in only_agreeing.values())
 
 
+def _scored_by(reference, batch, config: GRPOConfig) -> RolloutBatch:
+    """`batch` with the reference-scoring role's scores (what the pipeline hands the learner)."""
+    score_reference(reference, batch.rollouts, temperature=config.temperature, top_k=config.top_k,
+                    top_p=config.top_p, routing_replay=config.routing_replay)
+    return batch
+
+
 def test_reference_kl_is_logged_without_changing_the_gradient(small_config):
     """grpo.reference_kl: the k3 KL to the frozen initial model is logged with kl_coef = 0, 0 while the policy is
     the reference and positive once it has moved, and the gradient is the one without a reference."""
     config = small_config(vocab_size=64)
     model = HybridLM(config)
     reference = copy.deepcopy(model).requires_grad_(False).eval()
-    micro_batches = pack_micro_batches(_random_batch(config, [[1.0, 0.0, 0.0, 1.0]], seed=3), 1)
+    grpo = tiny_grpo(mtp_loss_weight=0.0, reference_kl=True)
+    micro_batches = pack_micro_batches(_scored_by(reference, _random_batch(config, [[1.0, 0.0, 0.0, 1.0]], seed=3),
+                                                  grpo), 1)
     plain = GRPOObjective(tiny_grpo(mtp_loss_weight=0.0), 0)
-    logged = GRPOObjective(tiny_grpo(mtp_loss_weight=0.0, reference_kl=True), 0, reference=reference)
+    logged = GRPOObjective(grpo, 0)
     expected, got = _gradients(model, plain, micro_batches), _gradients(model, logged, micro_batches)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
     assert "kl" not in plain(model, micro_batches[0]).metrics
@@ -240,6 +250,43 @@ def test_reference_kl_is_logged_without_changing_the_gradient(small_config):
     with torch.no_grad():
         model.lm_head.weight.add_(0.5 * torch.randn_like(model.lm_head.weight))
     assert logged(model, micro_batches[0]).metrics["kl"] > 1e-3
+
+
+@pytest.mark.parametrize("routing_replay, top_k, top_p", [(True, 0, 1.0), (False, 5, 0.9)])
+def test_the_reference_role_scores_what_the_learner_would_compute(small_config, tmp_path, routing_replay, top_k,
+                                                                   top_p):
+    """The reference-scoring role's log-probs, laid out in a micro-batch, are the reference's forward on that
+    micro-batch (routes replayed, the rollout's temperature and filters) at every completion token, to float noise
+    (each forward batches other rows)."""
+    from hybridtron.post.grpo import sampled_logprobs
+
+    config = small_config(vocab_size=64)
+    reference = HybridLM(config).eval()
+    save_pretrained(reference, tmp_path / "initial")
+    grpo = tiny_grpo(temperature=0.7, top_k=top_k, top_p=top_p, routing_replay=routing_replay,
+                     reference_batch_size=3)
+    batch = _random_batch(config, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]], seed=5)
+    role = ReferenceScoringRole(model_dir=str(tmp_path / "initial"), model_config=config, config=grpo)
+    scored = role.step(batch)
+    assert scored.stats["reference_seconds"] >= 0
+    mb = pack_micro_batches(scored, 1)[0]
+    with torch.no_grad():
+        logits = reference(mb.input_ids, expert_ids=mb.expert_ids if routing_replay else None, mtp=False).logits
+    expected = sampled_logprobs(logits, mb.labels, 0.7, top_k, top_p)
+    mask = mb.completion_mask
+    assert torch.allclose(mb.scores[REFERENCE_SCORE][mask], expected[mask], atol=1e-5)
+    assert (mb.scores[REFERENCE_SCORE][~mask] == 0).all()
+
+
+def test_the_kl_without_reference_scores_is_a_clear_error(small_config):
+    config = small_config(vocab_size=64)
+    model = HybridLM(config)
+    mb = pack_micro_batches(_random_batch(config, [[1.0, 0.0, 0.0, 1.0]], seed=3), 1)[0]
+    objective = GRPOObjective(tiny_grpo(kl_coef=0.1), 0)
+    objective.begin_step([mb])
+    with pytest.raises(ValueError, match=r"grpo.kl_coef=0.1, grpo.reference_kl=False: the KL needs the reference's "
+                                         r"log-probs, but the rollouts carry no scores\['reference'\]"):
+        objective(model, mb)
 
 
 def test_uniform_micro_batches_pad_to_one_shape_and_change_no_loss(small_config):
@@ -299,12 +346,13 @@ def test_grad_accum_does_not_change_the_gradient_through_the_trainer(small_confi
     with torch.no_grad():
         for p in reference.parameters():
             p.add_(torch.randn_like(p) * 0.01)
-    batch = _random_batch(config, [[1.0, 0.0, 0.5, 1.0], [0.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]], seed=3)
+    grpo = tiny_grpo(kl_coef=0.05, entropy_coef=0.01, mtp_loss_weight=0.1)
+    batch = _scored_by(reference, _random_batch(config, [[1.0, 0.0, 0.5, 1.0], [0.0, 0.0, 1.0, 0.0],
+                                                         [1.0, 1.0, 1.0, 1.0]], seed=3), grpo)
     results = []
     for micro_batches in (1, 3, 6):
         model = copy.deepcopy(base)
-        objective = GRPOObjective(tiny_grpo(kl_coef=0.05, entropy_coef=0.01, mtp_loss_weight=0.1), 2,
-                                  reference=reference)
+        objective = GRPOObjective(grpo, 2)
         trainer = Trainer(model, objective, FixedBatches(batch, micro_batches), TrainConfig(grad_accum=micro_batches),
                           None)
         stats = trainer.forward_backward()

@@ -16,7 +16,8 @@ One optimizer step:
    engine sampled them: `sampled_logprobs`), with routing replay (R3) forcing the rollout's experts in every
    backbone MoE layer while the gate weights come from the current router scores; then
    `hybridtron.post.losses.grpo_loss`: DAPO clip-higher (0.2 / 0.28), optional dual clip, k3 KL to the frozen
-   initial model and entropy bonus (both off by default, as the recipe), the rollout-vs-trainer correction
+   initial model (whose log-probs a reference-scoring role adds to the rollouts: hybridtron.post.reference) and
+   entropy bonus (both off by default, as the recipe), the rollout-vs-trainer correction
    w = exp(old_trainer - rollout) by TIS (clamp to [0, 2], the default) or IcePop, and token-mean aggregation
    normalised by the step's GLOBAL count of policy tokens (all micro-batches; under torchrun summed over
    data-parallel ranks), so `train.grad_accum` does not change the gradient.
@@ -55,7 +56,6 @@ This module's top-level imports stay light (the CLI builds its parser from it); 
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import sys
 from dataclasses import dataclass, fields
@@ -114,9 +114,10 @@ class GRPOConfig:
     eps_clip: float = 0.2  # ratio clipped to [1 - eps_clip, 1 + eps_clip_high] (DAPO clip-higher)
     eps_clip_high: float = 0.28
     dual_clip: float | None = None  # none, or c > 1: the loss of A < 0 tokens capped at -c A (3 in Ye et al.)
-    kl_coef: float = 0.0  # weight of the k3 KL to the frozen initial model (0 in the recipe; > 0 keeps a copy)
+    kl_coef: float = 0.0  # weight of the k3 KL to the frozen initial model (0 in the recipe; > 0 adds its role)
     reference_kl: bool = False  # log `kl` (k3 to the frozen initial model) even with kl_coef = 0: how far the
-    #   policy has moved; costs a copy of the model and one no-grad forward a micro-batch
+    #   policy has moved; costs the reference-scoring role (a copy of the model, one no-grad forward a rollout)
+    reference_batch_size: int = 16  # rollouts per forward of the reference-scoring role
     entropy_coef: float = 0.0  # weight of the entropy bonus (0 in the recipe)
     advantage_mode: str = "zscore"  # zscore (GRPO), leave_one_out (RLOO, NeMo-RL), mean_only (Dr.GRPO)
     advantage_eps: float = 1e-6  # z-score: A = (r - mean) / (std + eps)
@@ -156,7 +157,7 @@ class GRPOConfig:
 
     def validate(self) -> None:
         for name in ("prompts_per_step", "max_new_tokens", "draft_length", "eval_every", "eval_max_tokens",
-                     "eval_batch_size"):
+                     "eval_batch_size", "reference_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"grpo.{name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:
@@ -387,8 +388,9 @@ class GRPOObjective(RolloutObjective):
     """The GRPO loss of a micro-batch of rollouts (`hybridtron.post.rollout.RolloutMicroBatch`), as a `Trainer`
     objective; see the module docstring.
 
-    `reference`: the frozen initial model, for the k3 KL (kl_coef > 0, or only logged: reference_kl). `parallel`
-    (a sharded learner, hybridtron.dist): see RolloutObjective. `mtp_depths`: the model's.
+    The k3 KL to the frozen initial model (kl_coef > 0, or only logged: reference_kl) reads its log-probs from the
+    rollouts' `scores["reference"]` (the reference-scoring role, hybridtron.post.reference). `parallel` (a sharded
+    learner, hybridtron.dist): see RolloutObjective. `mtp_depths`: the model's.
 
     Metrics, each the step's value: loss, policy_loss, mtp_loss_<d>; over the policy tokens: clip_fraction,
     ratio_mean, kl (with a reference); over every completion token (the engines' agreement and the policy's
@@ -397,11 +399,9 @@ class GRPOObjective(RolloutObjective):
 
     headline = ("reward_mean", "reward")
 
-    def __init__(self, config: GRPOConfig, mtp_depths: int, *, reference=None, parallel=None):
+    def __init__(self, config: GRPOConfig, mtp_depths: int, *, parallel=None):
         super().__init__(config, mtp_depths, parallel)
-        self.reference = reference
-        if self.loss_config.kl_coef > 0 and reference is None:
-            raise ValueError("grpo.kl_coef > 0 needs the frozen reference model")
+        self.uses_reference = config.kl_coef > 0 or config.reference_kl
 
     def row_counts(self, mb) -> list:
         """completion tokens, policy tokens, policy sequences"""
@@ -422,6 +422,7 @@ class GRPOObjective(RolloutObjective):
 
         from hybridtron.post.losses import (grpo_loss, masked_mean, mismatch_metrics, rollout_correction,
                                             token_entropy)
+        from hybridtron.post.reference import REFERENCE_SCORE
         from hybridtron.post.sft import sft_loss
         from hybridtron.train.objectives import ObjectiveOutput
 
@@ -433,11 +434,12 @@ class GRPOObjective(RolloutObjective):
         # the loss's divisor: the step's policy tokens (token_mean) or sequences (sequence_mean)
         global_policy = self.counts[2] if loss_cfg.aggregation == "sequence_mean" else global_tokens
         ref_logp = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_out = self.reference(mb.input_ids, expert_ids=mb.expert_ids if cfg.routing_replay else None,
-                                         mtp=False)
-                ref_logp = sampled_logprobs(ref_out.logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
+        if self.uses_reference:
+            if REFERENCE_SCORE not in mb.scores:
+                raise ValueError(f"grpo.kl_coef={cfg.kl_coef}, grpo.reference_kl={cfg.reference_kl}: the KL needs the "
+                                 f"reference's log-probs, but the rollouts carry no scores[{REFERENCE_SCORE!r}] "
+                                 f"(the reference-scoring role adds them: hybridtron.post.reference)")
+            ref_logp = mb.scores[REFERENCE_SCORE]
         with torch.set_grad_enabled(torch.is_grad_enabled() and loss_cfg.entropy_coef > 0):
             entropy = token_entropy(logits.float() / cfg.temperature)
         rollout_logp = mb.rollout_logprobs  # with correction "none" the mismatch is still logged
@@ -579,6 +581,7 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
 
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.data.chat import load_chat_tokenizer
+    from hybridtron.post.reference import ReferenceScoringRole
     from hybridtron.post.roles import RoleSpec, WorkShare
     from hybridtron.post.rollout import (RolloutBatches, RolloutRole, learner_layout, load_env,
                                          rollout_pipeline_factory)
@@ -598,25 +601,18 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     prepare_process(train, model_config, rows * seq_len, stream)
 
     model = load_pretrained(config.base_model, config=model_config, dtype=torch.float32)
-    reference = None
-    if grpo.kl_coef > 0 or grpo.reference_kl:
-        reference = copy.deepcopy(model).requires_grad_(False).eval()
-        if parallel is not None:  # a whole copy on every rank (under CP exchanging over the cp group as the policy;
-            # under PP run by the last stage, inside the loss)
-            from hybridtron.dist.context_parallel import apply_context_parallel
-
-            reference.to(parallel.device)
-            if parallel.layout.cp > 1:
-                apply_context_parallel(reference, parallel.group("cp"), parallel.config.cp_attention)
     async_mode = grpo.async_rollouts
     staleness = grpo.staleness if async_mode else 0
     backend = grpo.rollout_backend if async_mode else "inline"
     shared = parallel is not None and backend == "inline"  # every rank generates its share of each step's prompts
-    role = RoleSpec(RolloutRole, dict(model_dir=str(config.base_model), model_config=model_config, env=config.env,
-                                      env_options=grpo.env_options(), config=grpo,
-                                      threads=grpo.rollout_threads if backend != "inline" else 0,
-                                      share=WorkShare() if shared else None), replicas=grpo.rollout_replicas)
-    rollouts = RolloutBatches(rollout_pipeline_factory([role], backend, staleness), staleness=staleness,
+    threads, share = grpo.rollout_threads if backend != "inline" else 0, WorkShare() if shared else None
+    specs = [RoleSpec(RolloutRole, dict(model_dir=str(config.base_model), model_config=model_config, env=config.env,
+                                        env_options=grpo.env_options(), config=grpo, threads=threads, share=share),
+                      replicas=grpo.rollout_replicas)]
+    if grpo.kl_coef > 0 or grpo.reference_kl:  # the frozen initial policy scores the rollouts for the KL
+        specs.append(RoleSpec(ReferenceScoringRole, dict(model_dir=str(config.base_model), model_config=model_config,
+                                                         config=grpo, threads=threads, share=share)))
+    rollouts = RolloutBatches(rollout_pipeline_factory(specs, backend, staleness), staleness=staleness,
                               grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0, parallel=parallel,
                               shared=shared)
     evaluators, eval_env = [], None
@@ -625,7 +621,7 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
         tasks = eval_env.tasks("test", grpo.eval_tasks, grpo.seed)
         evaluators.append(HeldOutAccuracy(eval_env, tasks, tokenizer, grpo.eval_every, max_tokens=grpo.eval_max_tokens,
                                           batch_size=grpo.eval_batch_size, enable_thinking=grpo.enable_thinking))
-    objective = GRPOObjective(grpo, model_config.mtp_depths, reference=reference, parallel=parallel)
+    objective = GRPOObjective(grpo, model_config.mtp_depths, parallel=parallel)
     trainer = assemble_trainer(model, objective, rollouts, evaluators, train=train, monitor_config=config.monitor,
                                out=out, checkpoints=checkpoints, quiet=quiet, stream=stream, parallel=parallel)
     return trainer, RunParts(tokenizer, rollouts, eval_env)

@@ -354,6 +354,54 @@ class RolloutRole(Role):
         return groups
 
 
+# ------------------------------------------------------------------------------------- scoring roles
+class ScoringRole(Role):
+    """A role between rollout and learner that adds per-token scores to every rollout of a batch (MOPD's teachers,
+    GRPO's frozen reference), which `pack_micro_batches` lays out beside the rollout's log-probs. Subclasses say
+    which model scores which rollouts (`models_for`) and what one forward writes into `Rollout.scores` (`score`).
+    Rollouts go through in forwards of `batch_size`, sorted by length so that each pads little. `share`
+    (`roles.WorkShare`: every torchrun rank running the roles inline, or the role's replicas): this process scores
+    its share of the batch's rollouts, and every one gathers all the scores. The time it took (the slowest
+    process's) goes into the batch's stats as `seconds_key`."""
+
+    seconds_key = "scoring_seconds"
+
+    def __init__(self, *, batch_size: int, share: "WorkShare | None" = None):
+        self.batch_size, self.share = batch_size, share
+
+    def models_for(self, rollouts: list[Rollout]) -> list[tuple[torch.nn.Module, list[Rollout]]]:
+        raise NotImplementedError
+
+    def score(self, model: torch.nn.Module, rollouts: list[Rollout]) -> None:
+        raise NotImplementedError
+
+    def step(self, batch: RolloutBatch) -> RolloutBatch:
+        started = time.perf_counter()
+        start, stop = self.share.span(len(batch.rollouts)) if self.share is not None else (0, len(batch.rollouts))
+        mine = batch.rollouts[start:stop]
+        for model, rollouts in self.models_for(mine):
+            rollouts = sorted(rollouts, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
+            with torch.no_grad():
+                for first in range(0, len(rollouts), self.batch_size):
+                    self.score(model, rollouts[first:first + self.batch_size])
+        seconds = time.perf_counter() - started
+        if self.share is not None:  # everyone's scores, in the order of the batch's rollouts
+            parts = self.share.gather(([r.scores for r in mine], seconds))
+            for rollout, scores in zip(batch.rollouts, [s for p in parts for s in p[0]]):
+                rollout.scores = scores
+            seconds = max(p[1] for p in parts)
+        batch.stats[self.seconds_key] = seconds
+        return batch
+
+
+def completion_scores(rollouts: list[Rollout], name: str, values_BL: torch.Tensor) -> None:
+    """Each rollout's completion positions of `values_BL` [B, L, ...] (rows of `rollout_rows(rollouts)`) into its
+    `scores[name]` ([C, ...])."""
+    for b, r in enumerate(rollouts):
+        P, C = len(r.prompt_ids), len(r.completion_ids)
+        r.scores[name] = values_BL[b, P - 1:P + C - 1].clone()
+
+
 # ------------------------------------------------------------------------------------------- packing
 @dataclass
 class RolloutMicroBatch:
@@ -419,7 +467,7 @@ class RolloutMicroBatch:
             return out
 
         expert_ids = None
-        if self.expert_ids is not None:  # padding routes to experts 0..K-1, as _pack_rows pads
+        if self.expert_ids is not None:  # padding routes to experts 0..K-1, as rollout_rows pads
             expert_ids = {}
             for name, ids in self.expert_ids.items():
                 full = torch.arange(ids.shape[-1]).expand(rows, length, ids.shape[-1]).clone()
@@ -512,7 +560,7 @@ def pack_micro_batches(batch: RolloutBatch, micro_batches: int, pad_id: int = 0)
     rollouts, trained = [rollouts[i] for i in order], [trained[i] for i in order]
     count = min(micro_batches, len(rollouts))
     bounds = [round(i * len(rollouts) / count) for i in range(count + 1)]
-    return [_pack_rows(rollouts[a:b], trained[a:b], batch.stats, pad_id) for a, b in zip(bounds, bounds[1:])]
+    return [rollout_rows(rollouts[a:b], pad_id, trained[a:b], batch.stats) for a, b in zip(bounds, bounds[1:])]
 
 
 def uniform_micro_batches(micro_batches: list[RolloutMicroBatch], count: int, pad_id: int = 0
@@ -527,7 +575,9 @@ def uniform_micro_batches(micro_batches: list[RolloutMicroBatch], count: int, pa
         [empty.padded(rows, length, pad_id) for _ in range(count - len(micro_batches))]
 
 
-def _pack_rows(rollouts: list[Rollout], trained: list[bool], stats: dict, pad_id: int) -> RolloutMicroBatch:
+def rollout_rows(rollouts: list[Rollout], pad_id: int = 0, trained: list[bool] | None = None,
+              stats: dict | None = None) -> RolloutMicroBatch:
+    """One micro-batch of `rollouts` (see RolloutMicroBatch; `trained` default: every row)."""
     lengths = [len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts]
     B, L = len(rollouts), max(lengths)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -559,8 +609,8 @@ def _pack_rows(rollouts: list[Rollout], trained: list[bool], stats: dict, pad_id
     return RolloutMicroBatch(
         input_ids=input_ids, labels=labels, rollout_logprobs=rollout_logprobs,
         advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
-        trained=torch.tensor(trained, dtype=torch.bool), valid=valid, expert_ids=expert_ids, scores=scores,
-        stats=dict(stats), domains=[r.domain for r in rollouts])
+        trained=torch.tensor([True] * B if trained is None else trained, dtype=torch.bool), valid=valid,
+        expert_ids=expert_ids, scores=scores, stats=dict(stats or {}), domains=[r.domain for r in rollouts])
 
 
 def rollout_router_counts(model, out) -> dict[str, torch.Tensor]:

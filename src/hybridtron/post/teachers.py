@@ -23,14 +23,13 @@ a filtered teacher would give -inf to any token outside its nucleus.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from hybridtron.post.roles import Role
-from hybridtron.post.rollout import Rollout, RolloutBatch
+from hybridtron.post.rollout import Rollout, ScoringRole, completion_scores, rollout_rows
+
 
 def teacher_answers(teacher_dir: str | Path, env, tasks, *, temperature: float, max_tokens: int, seed: int,
                     tries: int = 1, verified: bool = False, top_k: int = 0, top_p: float = 1.0,
@@ -133,70 +132,43 @@ def check_checkpoint(directory: str, flag: str) -> None:
         raise FileNotFoundError(f"{flag}{directory}: not an HF checkpoint (no config.json)")
 
 
-class TeacherScoringRole(Role):
+class TeacherScoringRole(ScoringRole):
     """Adds `scores["teacher"]` (and with `top_k` > 0 the teacher's top-K tokens) to every rollout of a batch (see
-    the module docstring). Built from plain values: the panel's `teachers` and `general`, the rollouts'
-    `temperature`, `batch_size` rows per forward, and `top_k`. `share` (`roles.WorkShare`: every torchrun rank
-    running the roles inline, or the role's replicas): this process scores its share of the batch's rollouts, and
-    every one gathers all the scores."""
+    the module docstring), each scored by the teacher of its domain. Built from plain values: the panel's `teachers`
+    and `general`, the rollouts' `temperature`, `batch_size` rows per forward, and `top_k`; `share`: see
+    `rollout.ScoringRole`."""
 
     name = TEACHER_ROLE
+    seconds_key = "teacher_seconds"
 
     def __init__(self, *, teachers: dict[str, str], general: str | None, temperature: float = 1.0,
                  batch_size: int = 16, threads: int = 0, top_k: int = 0, share=None):
         from hybridtron.checkpoint import load_pretrained
 
+        super().__init__(batch_size=batch_size, share=share)
         if threads:
             torch.set_num_threads(threads)
         self.panel = TeacherPanel(dict(teachers), general)
-        self.temperature, self.batch_size, self.top_k, self.share = temperature, batch_size, top_k, share
+        self.temperature, self.top_k = temperature, top_k
         self.models = {directory: load_pretrained(directory, dtype=torch.float32).eval().requires_grad_(False)
                        for directory in self.panel.directories()}
 
-    def step(self, batch: RolloutBatch) -> RolloutBatch:
-        started = time.perf_counter()
-        start, stop = self.share.span(len(batch.rollouts)) if self.share is not None else (0, len(batch.rollouts))
-        mine = batch.rollouts[start:stop]
+    def models_for(self, rollouts: list[Rollout]):
         by_teacher: dict[str, list[Rollout]] = {}
-        for rollout in mine:
+        for rollout in rollouts:
             by_teacher.setdefault(self.panel.teacher_for(rollout.domain), []).append(rollout)
-        for directory, rollouts in by_teacher.items():
-            rollouts = sorted(rollouts, key=lambda r: len(r.prompt_ids) + len(r.completion_ids))
-            for first in range(0, len(rollouts), self.batch_size):
-                self.score(self.models[directory], rollouts[first:first + self.batch_size])
-        seconds = time.perf_counter() - started
-        if self.share is not None:  # everyone's scores, in the order of the batch's rollouts
-            parts = self.share.gather(([r.scores for r in mine], seconds))
-            for rollout, scores in zip(batch.rollouts, [s for p in parts for s in p[0]]):
-                rollout.scores = scores
-            seconds = max(p[1] for p in parts)
-        batch.stats["teacher_seconds"] = seconds
-        return batch
+        return [(self.models[directory], mine) for directory, mine in by_teacher.items()]
 
-    @torch.no_grad()
     def score(self, model, rollouts: list[Rollout]) -> None:
         """The teacher's log-prob of each completion token, into each rollout's scores (float32 [C]); with top_k, its
         top-K tokens at each completion position (int32 [C, K]) and their log-probs (float32 [C, K])."""
-        from hybridtron.ops.cross_entropy import IGNORE_INDEX
         from hybridtron.post.grpo import sampled_logprobs
 
-        lengths = [len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts]
-        pad = model.config.pad_token_id or 0
-        input_ids = torch.full((len(rollouts), max(lengths)), pad, dtype=torch.long)
-        labels = torch.full_like(input_ids, IGNORE_INDEX)
-        for b, r in enumerate(rollouts):
-            full = torch.tensor(r.prompt_ids + r.completion_ids, dtype=torch.long)
-            P = len(r.prompt_ids)
-            input_ids[b, :lengths[b]] = full[:-1]
-            labels[b, P - 1:lengths[b]] = full[P:]
-        logits = model(input_ids, mtp=False).logits
-        logp = sampled_logprobs(logits, labels, self.temperature)
+        rows = rollout_rows(rollouts, model.config.pad_token_id or 0)
+        logits = model(rows.input_ids, mtp=False).logits
+        completion_scores(rollouts, TEACHER_SCORE, sampled_logprobs(logits, rows.labels, self.temperature))
         if self.top_k:
             top_logp, top_ids = torch.log_softmax(logits.float() / self.temperature, dim=-1).topk(
                 min(self.top_k, logits.shape[-1]), dim=-1)
-        for b, r in enumerate(rollouts):
-            P = len(r.prompt_ids)
-            r.scores[TEACHER_SCORE] = logp[b, P - 1:lengths[b]].clone()
-            if self.top_k:
-                r.scores[TEACHER_TOPK_IDS] = top_ids[b, P - 1:lengths[b]].to(torch.int32)
-                r.scores[TEACHER_TOPK_LOGP] = top_logp[b, P - 1:lengths[b]].clone()
+            completion_scores(rollouts, TEACHER_TOPK_IDS, top_ids.to(torch.int32))
+            completion_scores(rollouts, TEACHER_TOPK_LOGP, top_logp)
