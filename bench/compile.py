@@ -1,7 +1,7 @@
 """`train.compile` against eager: the fp32 training step of bench22m, side by side, with tokens/s and MFU.
 
     python bench/compile.py [--threads 1] [--clock cpu] [--repeats 5] [--batch 4] [--seq 512] [--logits]
-                            [--gemm-share]
+                            [--gemm-share] [--blocks]
 
 Two copies of the same model (same weights, same batch): one eager with foreach AdamW (what `hybridtron pretrain`
 runs by default), one as `train.compile=true` runs it (every block, the MTP block included, compiled in place by
@@ -12,7 +12,9 @@ is warmed up first (its compile time is reported apart); then the repetitions al
 same machine load, and the table reports medians and their ratio to the eager step. MFU is against the fp32 matmul
 peak measured in the same run on the same clock (`bench/pretrain.py`'s model FLOPs per token). `--gemm-share`
 profiles one more eager step and reports the share of it spent in GEMM kernels, which compile runs unchanged:
-eager / (those GEMMs alone) is the most any compile of the step could give.
+eager / (those GEMMs alone) is the most any compile of the step could give. `--blocks` also times one block of
+each kind (and the MTP block, if the model has one) alone, forward + backward of the sum of its output, eager against compiled, the
+medians of `--repeats`: where the step's gain comes from, and what stays eager (the loss).
 """
 
 from __future__ import annotations
@@ -75,6 +77,37 @@ def gemm_share(step) -> tuple[float, float]:
     return total / 1e6, gemm / 1e6
 
 
+def block_times(model, batch: int, seq: int, repeats: int) -> list[tuple[str, float, float]]:
+    """(block kind, eager seconds, compiled seconds) of one block of each kind, forward + backward alone."""
+    from hybridtron.dist.parallelize import _all_blocks, _get
+
+    hidden = torch.randn(batch, seq, model.config.hidden_size, requires_grad=True)
+    next_embedding = torch.randn(batch, seq, model.config.hidden_size)
+    seen, rows = set(), []
+    for parent, key in _all_blocks(model):
+        block = _get(parent, key)
+        kind = getattr(block, "kind", "mtp")
+        if kind in seen:
+            continue
+        seen.add(kind)
+
+        def run(module):
+            # one MTP depth reads the previous depth's hidden states and the next tokens' embeddings
+            out = module(hidden, next_embedding) if kind == "mtp" else module(hidden)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+
+        compiled = copy.deepcopy(block)
+        compiled.compile()
+        for module in (block, compiled, block, compiled):  # warm-up (and compile)
+            run(module)
+        times = {id(block): [], id(compiled): []}
+        for _ in range(repeats):
+            for module in (block, compiled):
+                times[id(module)].append(timed(lambda: run(module)))
+        rows.append((kind, statistics.median(times[id(block)]), statistics.median(times[id(compiled)])))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -85,6 +118,8 @@ def main() -> None:
                         help="also time both steps with the loss on the model's logits (no fused lm_head + loss)")
     parser.add_argument("--gemm-share", action="store_true",
                         help="also profile an eager step: its GEMM time, the bound on any compile's speedup")
+    parser.add_argument("--blocks", action="store_true",
+                        help="also time one block of each kind alone, eager against compiled")
     clock.add_clock_argument(parser)
     args = parser.parse_args()
     clock.select(args.clock)
@@ -131,6 +166,11 @@ def main() -> None:
         total, gemm = gemm_share(eager_step)
         print(f"\neager step profiled: {total:.3f} s, {gemm:.3f} s in GEMM kernels ({gemm / total:.0%}); a step of "
               f"those GEMMs alone would be {total / gemm:.2f}x the eager step")
+    if args.blocks:
+        print("\n| block (forward + backward alone) | eager (ms) | compiled (ms) | speedup |")
+        print("|---|---:|---:|---:|")
+        for kind, eager_s, compiled_s in block_times(eager, args.batch, args.seq, args.repeats):
+            print(f"| {kind} | {eager_s * 1e3:.1f} | {compiled_s * 1e3:.1f} | {eager_s / compiled_s:.2f}x |")
 
 
 if __name__ == "__main__":
