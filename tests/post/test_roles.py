@@ -211,6 +211,18 @@ def test_ray_replicas_share_each_item_as_processes_do():
     assert replicated_exchange("ray") == REPLICATED
 
 
+@pytest.mark.timeout(120)
+def test_ray_actors_a_local_cluster_cannot_place_are_refused(monkeypatch):
+    """More one-CPU actors than the machine has CPUs would wait forever: refused before any starts, naming what each
+    role asks (no actor is built: the check comes first)."""
+    pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    pipeline = RolePipeline([RoleSpec(Square, replicas=1000), RoleSpec(Count, replicas=2)], "ray")
+    with pytest.raises(ValueError, match=r"ask for 1002 CPUs \(square: 1000 x 1, count: 2 x 1\), but this "
+                                         r"machine's Ray cluster has \d+; ask for fewer"):
+        pipeline.start()
+
+
 @pytest.mark.parametrize("exit_instead, message", [(False, r"(?s)role 'picky \(replica 1 of 2\)' failed.*"
                                                            r"ArithmeticError: replica 1 cannot handle"),
                                                    (True, r"role 'picky \(replica 1 of 2\)' died")])

@@ -379,6 +379,8 @@ class RolePipeline:
             path = os.pathsep.join(entry for entry in sys.path if entry)
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
                      runtime_env={"env_vars": {"PYTHONPATH": path}})
+            if not os.environ.get("RAY_ADDRESS"):  # a local cluster cannot grow: actors it cannot place never start
+                self._check_local_resources(ray.cluster_resources())
         actor_class = ray.remote(_RayStage)
         # the replicas meet at a store on this machine, which every node of the cluster reaches
         places = self._places(ray.util.get_node_ip_address())
@@ -386,6 +388,20 @@ class RolePipeline:
                          for replica in replicas] for spec, replicas in zip(self.specs, places)]
         self._ray_outputs: collections.deque = collections.deque()  # the last actor's ObjectRefs, in order
         self._ray_others: list = []  # the other replicas' ObjectRefs, watched for their errors
+
+    def _check_local_resources(self, available: dict) -> None:
+        """ValueError (after shutting the local cluster down) if the roles' actors ask for more CPUs or GPUs than this
+        machine's Ray cluster has: Ray would wait for them forever."""
+        for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+            asks = [(spec.role_name, spec.replicas, spec.resources.get(key, 1 if key == "num_cpus" else 0))
+                    for spec in self.specs]
+            wanted = sum(replicas * each for _, replicas, each in asks)
+            if wanted > available.get(resource, 0):
+                self._ray.shutdown()
+                parts = ", ".join(f"{name}: {replicas} x {each:g}" for name, replicas, each in asks if each)
+                raise ValueError(f"the roles' Ray actors ask for {wanted:g} {resource}s ({parts}), but this machine's "
+                                 f"Ray cluster has {available.get(resource, 0):g}; ask for fewer (RoleSpec.resources "
+                                 f"{key}, fewer replicas) or start a cluster with more (ray start, RAY_ADDRESS)")
 
     def close(self) -> None:
         """Stop every role (an in-flight item is abandoned)."""
