@@ -249,9 +249,6 @@ class HybridLM(nn.Module):
         """The fp32 correction biases of every router, in `routers()` order."""
         return [moe.gate.e_score_correction_bias for moe in self.routers().values()]
 
-    def expert_counts(self) -> torch.Tensor | None:
-        return _stacked_counts(self.moe_layers())
-
     def num_parameters(self, active: bool = False, include_mtp: bool = False) -> int:
         """Parameters of the backbone and lm_head (the MTP block apart). `active`: what one token uses: the top-k
         routed experts of each MoE layer, the shared expert and all other layers and lm_head, not the embedding

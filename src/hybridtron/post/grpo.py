@@ -140,6 +140,11 @@ class GRPOConfig:
     def enable_thinking(self) -> bool | None:
         return THINKING[self.thinking]
 
+    @property
+    def uses_reference(self) -> bool:
+        """The k3 KL to the frozen initial model is computed (trained on, or only logged): the reference role runs."""
+        return self.kl_coef > 0 or self.reference_kl
+
     def loss_config(self):
         from hybridtron.post.losses import GRPOLossConfig
 
@@ -401,7 +406,6 @@ class GRPOObjective(RolloutObjective):
 
     def __init__(self, config: GRPOConfig, mtp_depths: int, *, parallel=None):
         super().__init__(config, mtp_depths, parallel)
-        self.uses_reference = config.kl_coef > 0 or config.reference_kl
 
     def row_counts(self, mb) -> list:
         """completion tokens, policy tokens, policy sequences"""
@@ -434,7 +438,7 @@ class GRPOObjective(RolloutObjective):
         # the loss's divisor: the step's policy tokens (token_mean) or sequences (sequence_mean)
         global_policy = self.counts[2] if loss_cfg.aggregation == "sequence_mean" else global_tokens
         ref_logp = None
-        if self.uses_reference:
+        if cfg.uses_reference:
             if REFERENCE_SCORE not in mb.scores:
                 raise ValueError(f"grpo.kl_coef={cfg.kl_coef}, grpo.reference_kl={cfg.reference_kl}: the KL needs the "
                                  f"reference's log-probs, but the rollouts carry no scores[{REFERENCE_SCORE!r}] "
@@ -609,7 +613,7 @@ def build_trainer(config: GRPORunConfig, out: Path, checkpoints, *, quiet: bool,
     specs = [RoleSpec(RolloutRole, dict(model_dir=str(config.base_model), model_config=model_config, env=config.env,
                                         env_options=grpo.env_options(), config=grpo, threads=threads, share=share),
                       replicas=grpo.rollout_replicas)]
-    if grpo.kl_coef > 0 or grpo.reference_kl:  # the frozen initial policy scores the rollouts for the KL
+    if grpo.uses_reference:  # the frozen initial policy scores the rollouts for the KL
         specs.append(RoleSpec(ReferenceScoringRole, dict(model_dir=str(config.base_model), model_config=model_config,
                                                          config=grpo, threads=threads, share=share)))
     rollouts = RolloutBatches(rollout_pipeline_factory(specs, backend, staleness), staleness=staleness,

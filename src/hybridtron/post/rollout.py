@@ -576,7 +576,7 @@ def uniform_micro_batches(micro_batches: list[RolloutMicroBatch], count: int, pa
 
 
 def rollout_rows(rollouts: list[Rollout], pad_id: int = 0, trained: list[bool] | None = None,
-              stats: dict | None = None) -> RolloutMicroBatch:
+                 stats: dict | None = None) -> RolloutMicroBatch:
     """One micro-batch of `rollouts` (see RolloutMicroBatch; `trained` default: every row)."""
     lengths = [len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts]
     B, L = len(rollouts), max(lengths)
