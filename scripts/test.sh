@@ -10,4 +10,6 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     || echo "warning: could not install chromium; the report rendering test will be skipped" >&2
 fi
 . .venv/bin/activate
-python -m pytest -q -p no:cacheprovider "$@"
+# two workers: one runs the multi-process modules in turn, the other the rest (tests/conftest.py); `-n 0` runs
+# everything in this process
+python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup "$@"

@@ -13,6 +13,25 @@ from hybridtron.config import ModelConfig, parse_pattern
 torch.set_num_threads(1)
 
 
+# Modules whose tests keep two or more processes busy at once (torchrun worlds, RL role processes, Ray actors).
+# scripts/test.sh runs the suite on two pytest-xdist workers with `--dist loadgroup`: these modules share one group,
+# so one worker runs them one after another while the other worker runs every other module (each module a group of
+# its own, so module fixtures are built once). The one-thread tests use the core a multi-process test does not.
+MULTI_PROCESS_MODULES = {
+    "tests/dist/test_dist_checkpoints.py", "tests/dist/test_dist_rl.py", "tests/dist/test_dist_sft.py",
+    "tests/dist/test_parallel_layouts.py", "tests/dist/test_ring_attention.py", "tests/post/test_grpo.py",
+    "tests/post/test_mopd.py", "tests/post/test_roles.py",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        module = item.path.relative_to(root).as_posix()
+        item.add_marker(pytest.mark.xdist_group("multi-process" if module in MULTI_PROCESS_MODULES else module))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
