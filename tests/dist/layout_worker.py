@@ -137,7 +137,7 @@ def main(out: str, layouts: list[str]) -> None:
     results = {}
     for text in layouts:
         # what dynamo compiled for the last layout's blocks stays with Block.forward; start clean, as a run of its own
-        # does (kept, it made the next compiled layout take 30 s instead of 9)
+        # does (kept, it made the next compiled layout take 38 s instead of 9)
         torch._dynamo.reset()
         config, options = parse_layout(text)
         parallel = init_parallel(config, model_config(), batch_size=BATCH, grad_accum=GRAD_ACCUM, seq_len=SEQ,

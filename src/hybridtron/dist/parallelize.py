@@ -114,10 +114,10 @@ def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str =
     if layout is not None and (layout.ep > 1 or layout.etp > 1 or parallel.config.ep_capacity_factor > 0):
         apply_expert_parallel(model, parallel.meshes["ep_etp"], parallel.config.ep_capacity_factor)
     if compile:
-        # Every block runs the one code object Block.forward (or the checkpoint wrapper's), and dynamo keeps one graph
-        # per (mixer class, input types, shapes) with it: three kinds, the MTP block's other arguments and the
-        # layouts' wrapped mixers and DTensor inputs come near its default limit of 8, past which the rest of the
-        # blocks would run eagerly without a word
+        # every block runs one code object (Block.forward, or the checkpoint wrapper's), and dynamo keeps one graph
+        # per (mixer class, input types, shapes) with it: the layer kinds, the MTP block's arguments and a layout's
+        # wrapped mixers and DTensor inputs come near its default limit of 8, past which the remaining blocks would
+        # run eagerly without a word
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for parent, key in _all_blocks(model):
         block = _wrap(_get(parent, key), recompute)
