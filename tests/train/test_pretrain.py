@@ -199,3 +199,32 @@ def test_a_run_the_monitor_gives_up_on_stops_with_a_message_not_a_traceback(tmp_
     assert "hybridtron pretrain: stopped: step 3: still unstable after 1 rollbacks" in err
     assert "Traceback" not in err
     assert (tmp_path / "run" / "checkpoints" / "step_000000").is_dir(), "the GOOD initialization is kept"
+
+
+def test_the_hf_export_is_whole_before_any_rank_returns(tmp_path, monkeypatch, small_config):
+    """Under torchrun global rank 0 writes the export and the others wait at a barrier, then read it (the MOPD
+    warmup's student): weights and tokenizer files are all there when the barrier opens (the tokenizer files were
+    once written after it, and a pipeline stage failed to find them)."""
+    from types import SimpleNamespace
+
+    from hybridtron.data.tokenizer import Tokenizer
+    from hybridtron.dist import step
+    from hybridtron.model.lm import HybridLM
+    from hybridtron.train.run import export_model
+
+    hf_dir = tmp_path / "hf"
+    at_barrier = []
+
+    class MainRank:
+        is_main = True
+
+        def barrier(self):
+            at_barrier.append(sorted(path.name for path in hf_dir.iterdir()))
+
+    monkeypatch.setattr(step, "full_state_dict", lambda model, parallel: model.state_dict())  # the gathered shards
+    trainer = SimpleNamespace(model=HybridLM(small_config(vocab_size=640)), parallel=MainRank())
+    tokenizer = Tokenizer.train(["What is 2 + 3? The answer is 5.\n" * 50], 600)
+    assert export_model(trainer, hf_dir, tokenizer, model_max_length=256)
+    assert len(at_barrier) == 1
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= set(at_barrier[0])
+    assert any(name.endswith(".safetensors") for name in at_barrier[0])

@@ -536,7 +536,7 @@ def warmup_run_config(config: MOPDRunConfig, data_file: Path):
 def run_warmup(config: MOPDRunConfig, out: Path, *, resume: bool, quiet: bool) -> Path:
     """Phase 0 (see the module docstring): the warmup SFT in `out/warmup`, resumed or skipped when complete.
     Returns the warmed-up student's HF directory."""
-    from hybridtron.data.chat import load_chat_tokenizer, save_tokenizer_files
+    from hybridtron.data.chat import load_chat_tokenizer
     from hybridtron.post import sft
     from hybridtron.post.envs import write_jsonl
     from hybridtron.train.run import export_model, train_in_run_dir
@@ -555,8 +555,8 @@ def run_warmup(config: MOPDRunConfig, out: Path, *, resume: bool, quiet: bool) -
                                                                              quiet=quiet))
     if result is not None:
         trainer, tokenizer = result
-        if export_model(trainer, directory / "hf"):  # under torchrun: gathered, written by global rank 0
-            save_tokenizer_files(tokenizer, directory / "hf", model_max_length=config.model.max_position_embeddings)
+        # under torchrun: gathered, written by global rank 0, whole on every rank's return
+        if export_model(trainer, directory / "hf", tokenizer, config.model.max_position_embeddings):
             history = trainer.evaluators[0].history if trainer.evaluators else []
             if history:
                 print(f"warmup: validation loss {history[0][1]:.3f} -> {history[-1][1]:.3f}", file=sys.stderr)

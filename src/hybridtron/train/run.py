@@ -276,25 +276,31 @@ def train_in_run_dir(args, config, load_config: Callable[[Path], Any], build: Ca
     return trainer, extra
 
 
-def export_model(trainer, hf_dir: Path) -> bool:
-    """Write the trained model as an HF checkpoint into `hf_dir`; under torchrun every rank takes part (the
-    shards are gathered) and global rank 0 writes. Returns whether this process wrote it."""
+def export_model(trainer, hf_dir: Path, tokenizer, model_max_length: int) -> bool:
+    """Write the trained model and its tokenizer files as an HF checkpoint into `hf_dir`; under torchrun every rank
+    takes part (the shards are gathered), global rank 0 writes, and every rank returns once the directory is whole
+    (the MOPD warmup's ranks read it next). Returns whether this process wrote it."""
     from hybridtron.checkpoint.hf import save_pretrained
+    from hybridtron.data.chat import save_tokenizer_files
 
     parallel = trainer.parallel
     if parallel is None:
-        save_pretrained(trainer.model, hf_dir)
-        return True
-    from hybridtron.dist.step import full_state_dict
-    from hybridtron.model.lm import HybridLM
+        model = trainer.model
+    else:
+        from hybridtron.dist.step import full_state_dict
+        from hybridtron.model.lm import HybridLM
 
-    state = full_state_dict(trainer.model, parallel)
-    if parallel.is_main:
-        model = HybridLM(trainer.model.config, init=False)
-        model.load_state_dict(state)
+        state = full_state_dict(trainer.model, parallel)
+        if parallel.is_main:
+            model = HybridLM(trainer.model.config, init=False)
+            model.load_state_dict(state)
+    writes = parallel is None or parallel.is_main
+    if writes:
         save_pretrained(model, hf_dir)
-    parallel.barrier()
-    return parallel.is_main
+        save_tokenizer_files(tokenizer, hf_dir, model_max_length=model_max_length)
+    if parallel is not None:
+        parallel.barrier()
+    return writes
 
 
 def validation_loss_line(history) -> str:
@@ -311,11 +317,8 @@ def finish_run(trainer, out: Path, tokenizer, model_max_length: int, summary_lin
     """The end of every training command: the HF export `out/hf` with the tokenizer files (under torchrun gathered
     from the shards; global rank 0 writes), the first evaluator's first and last value (`summary_line(history)`),
     where the outputs are, and the process group closed."""
-    from hybridtron.data.chat import save_tokenizer_files
-
     hf_dir = out / "hf"
-    if export_model(trainer, hf_dir):
-        save_tokenizer_files(tokenizer, hf_dir, model_max_length=model_max_length)
+    if export_model(trainer, hf_dir, tokenizer, model_max_length):
         history = trainer.evaluators[0].history if trainer.evaluators else []
         if history:
             print(summary_line(history))
