@@ -1,7 +1,7 @@
 """`train.compile` against eager: the fp32 training step of bench22m, side by side, with tokens/s and MFU.
 
     python bench/compile.py [--threads 1] [--clock cpu] [--repeats 5] [--batch 4] [--seq 512] [--logits]
-                            [--gemm-share] [--blocks]
+                            [--gemm-share] [--blocks] [--device cuda] [--precision bf16]
 
 Two copies of the same model (same weights, same batch): one eager with foreach AdamW (what `hybridtron pretrain`
 runs by default), one as `train.compile=true` runs it (every block, the MTP block included, compiled in place by
@@ -9,8 +9,10 @@ runs by default), one as `train.compile=true` runs it (every block, the MTP bloc
 step; both apply lm_head inside the loss (`ops/linear_cross_entropy.py`, eager in both), and `--logits` adds both
 steps with the loss on the model's logits instead (the compiled one on the same compiled modules). The compiled copy
 is warmed up first (its compile time is reported apart); then the repetitions alternate the steps, so all see the
-same machine load, and the table reports medians and their ratio to the eager step. MFU is against the fp32 matmul
-peak measured in the same run on the same clock (`bench/pretrain.py`'s model FLOPs per token). `--gemm-share`
+same machine load, and the table reports medians and their ratio to the eager step. MFU is against the matmul
+peak of the precision used (`--precision`: fp32, or bf16 autocast as `train.precision=bf16` runs it) measured in the
+same run on the same device and clock (`bench/pretrain.py`'s model FLOPs per token). `--device cuda` runs both
+copies on a GPU (every step and matmul timed to its end with a synchronize). `--gemm-share`
 profiles one more eager step and reports the share of it spent in GEMM kernels, which compile runs unchanged:
 eager / (those GEMMs alone) is the most any compile of the step could give. `--blocks` also times one block of
 each kind (and the MTP block, if the model has one) alone, forward + backward of the sum of its output, eager against compiled, the
@@ -35,30 +37,25 @@ from hybridtron.train.objectives import PretrainObjective
 
 import clock
 from clock import timed
-from pretrain import model_flops_per_token
+from pretrain import finished, matmul_peak, model_flops_per_token
 
 
-def matmul_peak(size: int = 2048, repeats: int = 8) -> float:
-    """fp32 FLOP/s of a large square matmul, on the same clock as the steps (the best of `repeats`)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    return 2 * size ** 3 / min(timed(lambda: a @ b) for _ in range(repeats))
-
-
-def make_step(model, compiled: bool, ids, labels, fused_head: bool = True):
+def make_step(model, compiled: bool, ids, labels, fused_head: bool = True, precision: str = "fp32"):
     optimizer = build_optimizer(model, TrainConfig(lr=1e-4, compile=compiled))  # compiled: fused AdamW
     # fused_head=False: the loss reads the model's logits (compiled: through the compiled cross entropy)
     objective = PretrainObjective(compile_loss=compiled, fused_head=fused_head)
+    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")  # as Trainer does
 
     def step():
         objective.begin_step([(ids, labels)])
-        out = objective(model, (ids, labels))
+        with autocast:
+            out = objective(model, (ids, labels))
         out.loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return out.loss.detach()
 
-    return step
+    return finished(step, ids.device)
 
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::addbmm",
@@ -77,12 +74,14 @@ def gemm_share(step) -> tuple[float, float]:
     return total / 1e6, gemm / 1e6
 
 
-def block_times(model, batch: int, seq: int, repeats: int) -> list[tuple[str, float, float]]:
+def block_times(model, batch: int, seq: int, repeats: int, precision: str) -> list[tuple[str, float, float]]:
     """(block kind, eager seconds, compiled seconds) of one block of each kind, forward + backward alone."""
     from hybridtron.dist.parallelize import _all_blocks, _get
 
-    hidden = torch.randn(batch, seq, model.config.hidden_size, requires_grad=True)
-    next_embedding = torch.randn(batch, seq, model.config.hidden_size)
+    device = next(model.parameters()).device
+    hidden = torch.randn(batch, seq, model.config.hidden_size, requires_grad=True, device=device)
+    next_embedding = torch.randn(batch, seq, model.config.hidden_size, device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     seen, rows = set(), []
     for parent, key in _all_blocks(model):
         block = _get(parent, key)
@@ -93,8 +92,11 @@ def block_times(model, batch: int, seq: int, repeats: int) -> list[tuple[str, fl
 
         def run(module):
             # one MTP depth reads the previous depth's hidden states and the next tokens' embeddings
-            out = module(hidden, next_embedding) if kind == "mtp" else module(hidden)
-            (out[0] if isinstance(out, tuple) else out).sum().backward()
+            with autocast:
+                out = module(hidden, next_embedding) if kind == "mtp" else module(hidden)
+            (out[0] if isinstance(out, tuple) else out).float().sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
         compiled = copy.deepcopy(block)
         compiled.compile()
@@ -120,27 +122,44 @@ def main() -> None:
                         help="also profile an eager step: its GEMM time, the bound on any compile's speedup")
     parser.add_argument("--blocks", action="store_true",
                         help="also time one block of each kind alone, eager against compiled")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="fp32 (default) or bf16 autocast; MFU is against the peak of the same precision")
     clock.add_clock_argument(parser)
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: this machine has no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: expected cpu, cuda or cuda:N")
+    if args.gemm_share and device.type != "cpu":
+        parser.error("--gemm-share profiles CPU kernels; run it with --device cpu")
+    if args.clock == "cpu" and device.type != "cpu":
+        parser.error("--clock cpu counts this process's CPU time, not the GPU's; use the wall clock with --device cuda")
     clock.select(args.clock)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    eager = HybridLM(bench22m())
+    eager = HybridLM(bench22m()).to(device)
     compiled = parallelize(copy.deepcopy(eager), None, compile=True)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, eager.config.vocab_size, (args.batch, args.seq), generator=generator)
+    ids = torch.randint(3, eager.config.vocab_size, (args.batch, args.seq), generator=generator).to(device)
     labels = torch.roll(ids, -1, dims=1)
-    steps = {"eager": make_step(eager, False, ids, labels), "compiled": make_step(compiled, True, ids, labels)}
+
+    def step_of(model, compiled_step: bool, **options):
+        return make_step(model, compiled_step, ids, labels, precision=args.precision, **options)
+
+    steps = {"eager": step_of(eager, False), "compiled": step_of(compiled, True)}
     if args.logits:
-        steps["eager, logits"] = make_step(copy.deepcopy(eager), False, ids, labels, fused_head=False)
-        steps["compiled, logits"] = make_step(compiled, True, ids, labels, fused_head=False)  # its own optimizer
+        steps["eager, logits"] = step_of(copy.deepcopy(eager), False, fused_head=False)
+        steps["compiled, logits"] = step_of(compiled, True, fused_head=False)  # its own optimizer
     eager_step, compiled_step = steps["eager"], steps["compiled"]
 
     started = time.perf_counter()
     first = compiled_step()
     compile_s = time.perf_counter() - started
     eager_loss = eager_step()
-    assert torch.allclose(first, eager_loss, rtol=1e-4), (float(first), float(eager_loss))
+    assert torch.allclose(first, eager_loss, rtol=1e-4 if args.precision == "fp32" else 2e-2), \
+        (float(first), float(eager_loss))
     compiled_step()  # a second call: anything recompiled for the second step's state is done too
     for name in list(steps)[2:]:  # the logits steps' warm-up (their compiled cross entropy compiles here)
         steps[name]()
@@ -149,13 +168,14 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, step in steps.items():
             times[name].append(timed(step))
-    peak = matmul_peak()
+    peak = matmul_peak({"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision], device)
     flops = model_flops_per_token(eager, args.seq)
     tokens = args.batch * args.seq
-    print(f"bench22m fp32, batch {args.batch}x{args.seq}, {args.threads} thread(s), {args.clock} clock, "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} thread(s)"
+    print(f"bench22m {args.precision}, batch {args.batch}x{args.seq}, {where}, {args.clock} clock, "
           f"{args.repeats} repeats; compile (first step): {compile_s:.0f} s wall")
-    print(f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s; {flops / 1e6:.1f} MFLOP per token\n")
-    print("| step | median (s) | tokens/s | MFU vs fp32 peak | speedup |")
+    print(f"{args.precision} matmul peak {peak / 1e9:.0f} GFLOP/s; {flops / 1e6:.1f} MFLOP per token\n")
+    print(f"| step | median (s) | tokens/s | MFU vs {args.precision} peak | speedup |")
     print("|---|---:|---:|---:|---:|")
     base = statistics.median(times["eager"])
     for name, values in times.items():
@@ -169,7 +189,7 @@ def main() -> None:
     if args.blocks:
         print("\n| block (forward + backward alone) | eager (ms) | compiled (ms) | speedup |")
         print("|---|---:|---:|---:|")
-        for kind, eager_s, compiled_s in block_times(eager, args.batch, args.seq, args.repeats):
+        for kind, eager_s, compiled_s in block_times(eager, args.batch, args.seq, args.repeats, args.precision):
             print(f"| {kind} | {eager_s * 1e3:.1f} | {compiled_s * 1e3:.1f} | {eager_s / compiled_s:.2f}x |")
 
 

@@ -2,10 +2,10 @@
 
     python bench/pretrain.py [--threads 2] [--steps 5] [--batch 4] [--seq 512]
 
-The peak is measured here, in the same run: a large square matmul in fp32 and in bf16. Model FLOPs per token of a
-training step (forward + backward) are 6 x the active matmul parameters (embedding table excluded: it is a lookup)
-plus 6 x T x (query heads x head_dim) per attention layer for the causal score and value products; the Mamba scan is
-counted too, as 6 x the FLOPs of its chunked form's matmuls. MFU = achieved model FLOP/s / peak FLOP/s.
+The peak is measured here, in the same run: the fastest of a few square matmuls in fp32 and in bf16. Model FLOPs
+per token of a training step (forward + backward) are 6 x the active matmul parameters (embedding table excluded: it
+is a lookup) plus 6 x T x (query heads x head_dim) per attention layer for the causal score and value products; the
+Mamba scan is counted too, as 6 x the FLOPs of its chunked form's matmuls. MFU = achieved model FLOP/s / peak FLOP/s.
 """
 
 from __future__ import annotations
@@ -18,17 +18,37 @@ import torch
 from hybridtron.config import bench22m
 from hybridtron.model.lm import HybridLM
 
+from clock import timed
 
-def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 8) -> float:
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - started)
-    return 2 * size ** 3 / best
+
+def finished(fn, device: torch.device):
+    """`fn` that returns only once the work it queued on `device` has run (a GPU runs it asynchronously)."""
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result
+
+    return run
+
+
+def matmul_peak(dtype: torch.dtype, device: torch.device = torch.device("cpu"), repeats: int = 8) -> float:
+    """FLOP/s of the fastest square matmul in `dtype` on `device`, on the same clock as the steps: the best of
+    `repeats` at growing sizes, until a size runs slower than the one before. CPU kernels without native bf16 slow
+    down as the matrices grow (an AVX2 EPYC: 1.5 GFLOP/s at 256, 0.3 at 2048), so one large size would understate
+    that peak, and would take minutes."""
+    best = 0.0
+    for size in (4096, 8192) if device.type == "cuda" else (256, 1024, 2048):
+        a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+        product = finished(lambda: a @ b, device)
+        product()
+        rate = 2 * size ** 3 / min(timed(product) for _ in range(repeats))
+        if rate < best:
+            break
+        best = rate
+    return best
 
 
 def model_flops_per_token(model: HybridLM, seq_len: int) -> float:

@@ -104,6 +104,22 @@ def test_four_processes_train_and_export_what_one_process_does(runs):
     assert json.loads((root / "world4" / "run_config.json").read_text())["dist"]["tp"] == 2
 
 
+@pytest.mark.timeout(300)
+def test_one_torchrun_process_on_the_distributed_path_trains_what_a_plain_process_does(runs, tmp_path):
+    """A one-GPU run is torchrun with one process (a mesh of one, NCCL); `dist.backend=gloo` takes the same path on
+    CPU."""
+    root, cache = runs
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           "-m", "hybridtron", "pretrain", "--out", str(tmp_path / "one"),
+                           *[arg for arg in FAST if arg != "--quiet"], "--steps", str(STEPS),
+                           "--set", "dist.backend=gloo"],
+                          capture_output=True, text=True, timeout=240, env=environment(cache))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "[dist] 1 process on cpu (gloo), layout dp_replicate=1,dp_shard=1," in done.stderr
+    assert_same_curve(records(tmp_path / "one"), records(root / "single"), range(1, STEPS + 1))
+    assert (tmp_path / "one" / "hf" / "config.json").is_file()
+
+
 @pytest.mark.timeout(600)
 def test_a_world_4_checkpoint_resumes_at_world_2_and_1_in_other_layouts(runs, tmp_path):
     """PP 2 x TP 2 on 4 processes -> DP 2 x EP 2 on 2 -> one process."""

@@ -83,6 +83,36 @@ def test_a_single_process_with_the_default_layout_builds_no_process_group(small_
     assert not dist.is_initialized()
 
 
+def test_one_torchrun_process_on_cpu_builds_a_process_group_only_when_a_backend_is_named(small_config, monkeypatch):
+    """Under torchrun a world of one is a plain process on CPU with `backend=auto`; on CUDA (and on CPU with
+    `dist.backend=gloo`, which is how this path is tested without a GPU) it is a mesh of one on the distributed
+    path. Outside torchrun, where no rendezvous exists, a named backend changes nothing."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    args = dict(batch_size=4, grad_accum=1, seq_len=32)
+    assert init_parallel(DistConfig(backend="gloo"), small_config(), **args) is None  # not launched by torchrun
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in {"TORCHELASTIC_RUN_ID": "test", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    if not torch.cuda.is_available():
+        assert init_parallel(DistConfig(), small_config(), **args) is None
+        assert not dist.is_initialized()
+    parallel = init_parallel(DistConfig(backend="gloo"), small_config(), **args)
+    try:
+        assert (parallel.world, parallel.rank, parallel.device.type, dist.get_backend()) == (1, 0, "cpu", "gloo")
+        assert parallel.is_main and parallel.meshes["data"].size() == 1
+    finally:
+        parallel.close()
+
+
 def test_dist_section_parses_and_validates():
     config = build_run_config("tiny", overrides=["dist.tp=2", "dist.ep=4", "dist.pp_schedule=gpipe"])
     assert (config.dist.tp, config.dist.ep, config.dist.dp_shard, config.dist.pp_schedule) == (2, 4, -1, "gpipe")

@@ -12,9 +12,10 @@ One world mesh, viewed three ways (torchtitan's ParallelDims, with the expert di
              group, and an EP group strides over the ranks that share a TP coordinate
 
 Ranks are pp-major with tp innermost, as the planner places them, so a TP group is tp consecutive ranks.
-`init_parallel` reads torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK); a single process with the default
-layout gets None and trains exactly as before, without any process group. A layout the planner rejects fails here
-with the planner's one-line reason, before any process group exists.
+`init_parallel` reads torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK); a plain process gets None and trains
+without any process group, and so does one torchrun process on CPU unless `dist.backend` names a backend. One
+torchrun process on a GPU is a world of one: a one-GPU run trains on the same path as many. A layout the planner
+rejects fails here with the planner's one-line reason, before any process group exists.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def world_from_env() -> tuple[int, int, int]:
     """(world size, rank, local rank) as torchrun sets them; (1, 0, 0) for a plain process."""
     return (int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")),
             int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun (or another torchelastic agent) started this process: it set the rendezvous environment."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batch_size: int, grad_accum: int,
@@ -95,6 +101,11 @@ class Parallel:
     def is_main(self) -> bool:
         """Global rank 0: the one that writes metrics, events, the report and the HF export."""
         return self.rank == 0
+
+    def describe(self) -> str:
+        """One line for the run's log: how many processes, on which device and backend, in which layout."""
+        return f"{self.world} process{'es' if self.world > 1 else ''} on {self.device.type} " \
+               f"({dist.get_backend()}), layout {self.layout}"
 
     def coordinate(self, dim: str) -> int:
         return self.meshes["dense"].get_local_rank(dim)
@@ -177,14 +188,17 @@ def _backend(config: DistConfig, device: torch.device) -> str:
 
 def init_parallel(config: DistConfig, model: ModelConfig, *, batch_size: int, grad_accum: int, seq_len: int,
                   timeout_s: float = 600.0, context_parallel: bool = False) -> Parallel | None:
-    """Check the layout, then (for more than one process, or any non-trivial layout) start the process group on
-    this rank's device and build the meshes. None for a single process with the default layout."""
+    """Check the layout, then start the process group on this rank's device (cuda:LOCAL_RANK where CUDA is present
+    and `backend` is not gloo, else the CPU) and build the meshes. None for a plain process, and for one torchrun
+    process on CPU with `backend=auto`: those train with no process group. One torchrun process on CUDA (a
+    one-GPU run), or with a named backend, is a world of one on the distributed path."""
     world, rank, local_rank = world_from_env()
     layout = check_run_layout(config, model, world, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
                               context_parallel=context_parallel)
-    if world == 1:
+    cuda = torch.cuda.is_available() and config.backend != "gloo"
+    if world == 1 and not (launched_by_torchrun() and (cuda or config.backend != "auto")):
         return None
-    if torch.cuda.is_available() and config.backend != "gloo":
+    if cuda:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:

@@ -196,6 +196,8 @@ def assemble_trainer(model, objective, loader, evaluators, *, train, monitor_con
     model = parallelize(model, parallel, recompute=train.recompute, compile=train.compile,
                         output_reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[train.grad_accum_dtype])
     main = parallel is None or parallel.is_main
+    if parallel is not None and main and not quiet:
+        print(f"[dist] {parallel.describe()}", file=stream)
     monitor, faults = build_monitor(monitor_config, out, model.config, stream)
     if not main and monitor.events is not None:  # every rank judges the same steps; rank 0 alone records them
         monitor.events.path, monitor.events.stream = Path(os.devnull), open(os.devnull, "w")
