@@ -205,6 +205,31 @@ def test_grouped_mm_bf16_within_budget_of_fp32(fast):
     assert fast_error <= 2 * ref_error + 1e-6
 
 
+def test_grouped_mm_under_autocast_runs_the_native_kernel_in_the_autocast_dtype(monkeypatch):
+    """bf16 autocast with bf16 rows and fp32 expert weights (what a MoE layer sees under `train.precision=bf16`):
+    both operands are cast as autocast casts a matmul's, so the native kernel applies, not the padded GEMM (which
+    reads its capacity back to Python and so breaks a compiled graph); the gradients reach the fp32 weights."""
+    import hybridtron.ops.grouped_mm as module
+
+    def no_padding(*args):
+        raise AssertionError("the padded grouped GEMM ran")
+
+    monkeypatch.setattr(module, "grouped_mm_padded", no_padding)
+    group_sizes = torch.tensor([9, 0, 17, 4])
+    x = torch.randn(int(group_sizes.sum()), 64).bfloat16().requires_grad_()
+    w = (torch.randn(4, 32, 64) / 8).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = grouped_mm(x, w, group_sizes)
+        y_ref = grouped_mm_ref(x, w, group_sizes)  # its matmuls autocast
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref)
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    grads_ref = torch.autograd.grad(y_ref.float().sum(), [x, w])
+    torch.testing.assert_close(x.grad, grads_ref[0])
+    torch.testing.assert_close(w.grad, grads_ref[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("rows, vocab, block_elements", [(37, 50, 1 << 22), (300, 1000, 64 * 1000 + 5), (1, 7, 3)])
 def test_cross_entropy_matches_torch(monkeypatch, dtype, rows, vocab, block_elements):

@@ -41,7 +41,13 @@ def native_applies(x_SK: torch.Tensor, w_EOK: torch.Tensor) -> bool:
 
 
 def grouped_mm(x_SK: torch.Tensor, w_EOK: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """y[rows of expert e] = x[rows of expert e] @ w[e].T, for rows sorted by expert."""
+    """y[rows of expert e] = x[rows of expert e] @ w[e].T, for rows sorted by expert. Under autocast both operands
+    are cast to its dtype first, as autocast casts a matmul's: it does not cast a custom op's, and the native
+    kernel wants one dtype (else the padded GEMM, whose capacity is read back to Python, breaks a compiled graph)."""
+    device = x_SK.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x_SK, w_EOK = x_SK.to(dtype), w_EOK.to(dtype)
     if not native_applies(x_SK, w_EOK):
         return grouped_mm_padded(x_SK, w_EOK, group_sizes)
     return native_grouped_mm(x_SK, w_EOK, torch.cumsum(group_sizes, 0, dtype=torch.int32))
