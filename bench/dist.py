@@ -118,7 +118,7 @@ def moe_alltoall_share(model, parallel, batch: int, seq: int) -> float | None:
 def run_layout(parallel, config_name: str, batch: int, seq: int, steps: int) -> dict:
     torch.manual_seed(0)
     config = preset(config_name)
-    model = parallelize(HybridLM(config), parallel, seq_len=seq)
+    model = parallelize(HybridLM(config) if parallel is None else HybridLM.on_meta(config), parallel, seq_len=seq)
     batches = Batches(config.vocab_size, batch, seq)
     objective = PretrainObjective()
     if parallel is not None:

@@ -44,6 +44,10 @@ def _tests_conftest():
 _small_config = _tests_conftest()._small_config
 
 BATCH, SEQ, GRAD_ACCUM, STEPS = 4, 32, 2, 10
+# The initialization's seed. The expert counts are compared exactly, so no routing decision of these runs may sit
+# within float rounding of a tie: from seed 0's weights, TP (whose all-reduces sum in another order) moved one token
+# to another expert at step 3 while its losses and gradient norms still agreed to 1e-5. Seed 1 has no such tie.
+SEED = 1
 
 
 def model_config():
@@ -91,11 +95,11 @@ class Record(Hook):
 
 def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_backend: str | None = None,
           precision: str = "fp32", grad_accum_dtype: str = "fp32") -> list[dict]:
-    """Train `steps` steps from the seed-0 initialization; the per-step records (same on every rank). The
+    """Train `steps` steps from the initialization of seed SEED; the per-step records (same on every rank). The
     precision policy is applied before the layout, as `hybridtron.train.run.assemble_trainer` does."""
-    torch.manual_seed(0)
+    torch.manual_seed(SEED)
     config = model_config()
-    model = HybridLM(config)
+    model = HybridLM(config) if parallel is None else HybridLM.on_meta(config)  # as `pretrain` builds it
     train_config = TrainConfig(steps=steps, grad_accum=GRAD_ACCUM, lr=3e-3, warmup_steps=2, grad_clip=1.0,
                                precision=precision)
     convert_for_training(model, train_config)

@@ -86,8 +86,12 @@ def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, l
     assert "pass_at_1" in single[0] and "pass_at_1" in single[-1]
     assert_same_steps(world2, single)
     ours, theirs = load_pretrained(tmp_path / "world2" / "hf"), load_pretrained(tmp_path / "single" / "hf")
+    # AdamW divides each gradient by its running RMS: where that is near eps (1e-8), the last bits of a gradient
+    # summed in another order move the weight by a good part of lr (measured under CP 2: one embedding element of
+    # 24,576, its sqrt(v) 1.1e-8, 5.7e-5 off). So the weights agree to 1e-5 but for a few such elements, to 1e-4.
     for name, tensor in theirs.state_dict().items():
-        assert (ours.state_dict()[name] - tensor).abs().max() < 1e-5, name
+        difference = (ours.state_dict()[name] - tensor).abs()
+        assert difference.max() < 1e-4 and (difference > 1e-5).sum() <= max(1, difference.numel() // 10_000), name
 
 
 # PP 2: the warmup SFT too, two micro-batches a step (1F1B needs one per stage); every rank gathers the whole

@@ -75,6 +75,29 @@ def test_activation_checkpointing_keeps_the_loss_and_gradients(small_config, rec
     assert all(torch.equal(grads[name], grads_ac[name]) for name in grads)
 
 
+def test_a_meta_built_model_is_materialized_with_the_weights_one_process_draws(small_config):
+    """`parallelize` fills a meta-built model (here: one process, blocks checkpointed, so the names are wrapped)
+    with the weights and generator state of building it on the CPU from the same seed; the multi-process layouts,
+    which build on the meta device too (layout_worker.py), check the sharded case against one process's losses."""
+    torch.manual_seed(5)
+    built = HybridLM(small_config())
+    after_build = torch.get_rng_state()
+    torch.manual_seed(5)
+    materialized = parallelize(HybridLM.on_meta(small_config()), None, recompute="full")
+    assert torch.equal(torch.get_rng_state(), after_build)
+    weights = {canonical_name(name): tensor for name, tensor in materialized.state_dict().items()}
+    assert weights.keys() == built.state_dict().keys()
+    assert all(torch.equal(weights[name], tensor) for name, tensor in built.state_dict().items())
+
+
+def test_materializing_a_tensor_without_an_initializer_is_refused(small_config):
+    model = HybridLM.on_meta(small_config())
+    model.backbone.layers[0].extra = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match=r"no initializer for backbone\.layers\.0\.extra\.bias, "
+                                         r"backbone\.layers\.0\.extra\.weight"):
+        parallelize(model, None)
+
+
 def test_compile_traces_every_layer_kind_in_fp32(small_config):
     """Every block kind (Mamba, attention, LatentMoE, MLP) and the MTP block, compiled in place: the MoE's native
     grouped GEMM traces under fake tensors (in fp32 too), and names and values stay those of eager."""

@@ -149,6 +149,25 @@ def test_init_follows_the_spec(small_config):
     assert all(torch.equal(b, torch.zeros_like(b)) for b in model.router_biases())
 
 
+def test_initializers_set_every_tensor_once_and_init_draws_nothing_else(small_config):
+    """Every parameter and buffer has one initializer; building the model draws from the generator only through
+    them (the modules are built on the meta device), so the weights and the generator's state after the build are
+    those of running the initializers from the seed on a model built any other way (as a sharded build does)."""
+    config = small_config()
+    torch.manual_seed(3)
+    model = HybridLM(config)
+    after_build = torch.get_rng_state()
+    names = [name for name, _ in model.initializers()]
+    assert sorted(names) == sorted([*dict(model.named_parameters()), *dict(model.named_buffers())])
+    assert len(set(names)) == len(names)
+    replayed = HybridLM(config, init=False)  # its modules' own initializations drew from the generator
+    torch.manual_seed(3)
+    replayed.init_weights()
+    assert torch.equal(torch.get_rng_state(), after_build)
+    for (name, tensor), (_, again) in zip(model.state_dict().items(), replayed.state_dict().items()):
+        assert torch.equal(tensor, again), name
+
+
 # -------------------------------------------------------------------------------------------- parameter counts
 @pytest.mark.parametrize("preset, total, active", [(nano3, 31.6e9, 3.2e9), (super3, 120.7e9, 12.2e9),
                                                    (ultra3, 549e9, 55.0e9)])

@@ -366,8 +366,10 @@ def test_async_roles_at_staleness_0_make_the_synchronous_update(models, tmp_path
     sync, sync_lines = _train(models, tmp_path, "sync")
     async0, async_lines = _train(models, tmp_path, "async0", async_rollouts=True, staleness=0,
                                  rollout_backend="process", rollout_replicas=2, teacher_replicas=2)
-    # the same to float noise (measured 4e-9): each teacher replica batches its half of the rollouts its own way
-    assert all(torch.allclose(sync[name], async0[name], rtol=0, atol=1e-7) for name in sync)
+    # the same to float noise: each teacher replica batches its half of the rollouts its own way (measured: 4e-9,
+    # and from other initial weights one ulp of a norm weight near 1, 1.2e-7)
+    assert all(torch.allclose(sync[name], async0[name], rtol=torch.finfo(torch.float32).eps, atol=1e-7)
+               for name in sync)
     assert [line["rollout_ranks"] for line in async_lines] == [2.0, 2.0]
     assert [line["reverse_kl/beta"] for line in sync_lines] == [line["reverse_kl/beta"] for line in async_lines]
     inline1, lines1 = _train(models, tmp_path, "inline1", async_rollouts=True, staleness=1, rollout_backend="inline")

@@ -168,7 +168,11 @@ class Parallel:
             self.barrier()
 
     def close(self) -> None:
+        """At the end of a run, on every rank: wait until every rank's collectives are done (a rank that tears its
+        gloo connections down while a peer still reads from them, or exits with collective work pending, can abort
+        the interpreter at exit), then destroy the process groups."""
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------------------------------- meshes

@@ -14,6 +14,8 @@
     6. FSDP2 `fully_shard` per block (the MTP block as one), then the embedding, norm_f, lm_head and the root (each
        pipeline stage's view under PP), each with a `MixedPrecisionPolicy`; lm_head's gradient is reduced in fp32
        unless `grad_accum_dtype` is bf16
+    7. a model built on the meta device (`HybridLM.on_meta`, as `pretrain` builds it under torchrun): each rank's
+       shards allocated on its device and filled with the single-process initialization, `materialize.py`
 
 Which mesh each weight is FSDP-sharded over (`Parallel.fsdp_mesh`): the dense weights over dp_shard x cp (every
 TP rank shards its own TP slice); under TP the weights applied token by token to sequence-parallel activations
@@ -40,6 +42,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from hybridtron.config import MOE
 from hybridtron.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from hybridtron.dist.materialize import is_meta, materialize
 from hybridtron.dist.mesh import Parallel
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -91,8 +94,9 @@ def _wrap(block: nn.Module, recompute: str) -> nn.Module:
 def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str = "none", compile: bool = False,
                 output_reduce_dtype: torch.dtype = torch.float32, seq_len: int = 4096,
                 compile_backend: str = "inductor") -> nn.Module:
-    """Apply PP, TP, EP, CP, activation checkpointing, compile and FSDP (module docstring) to `model` in place;
-    returns it (under PP: this rank's stage model, and `parallel.pipeline` runs it). With `parallel` None (a
+    """Apply PP, TP, EP, CP, activation checkpointing, compile and FSDP (module docstring) to `model` in place, and
+    materialize it if it was built on the meta device; returns it (under PP: this rank's stage model, and
+    `parallel.pipeline` runs it). With `parallel` None (a
     single process) only checkpointing and compile apply. `seq_len` weighs attention in the pipeline cut;
     `compile_backend` is torch.compile's (tests trace with "aot_eager", which skips code generation)."""
     if recompute not in RECOMPUTE_MODES:
@@ -132,6 +136,8 @@ def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str =
         apply_fsdp(model, parallel, output_reduce_dtype, roots=views)
     if views is not None:
         parallel.pipeline = Pipeline(model, views, stage_indices, num_stages, parallel, parallel.config.pp_schedule)
+    if is_meta(model):
+        materialize(model, parallel)
     return model
 
 

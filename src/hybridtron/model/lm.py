@@ -10,7 +10,9 @@ predicted (a document boundary, padding). Depth k at position t predicts `labels
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,49 +91,85 @@ def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.T
 
 class HybridLM(nn.Module):
     def __init__(self, config: ModelConfig, *, init: bool = True):
+        """`init`: the weights of `init_weights`, drawn from torch's global generator; the modules are built on the
+        meta device first, so that those draws are all the generator gives (a sharded build replays them, see
+        `initializers`). Built inside `with torch.device("meta")` the model stays there, uninitialized.
+        `init=False`: the modules' own default weights, for a caller that loads its weights next."""
         super().__init__()
         self.config = config
-        self.backbone = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.mtp = MTPBlock(config) if config.has_mtp else None
-        if init and not self.lm_head.weight.is_meta:
+        device = torch.empty(0).device  # the device in effect: the default one, or a `with torch.device(...)`
+        with torch.device("meta") if init else contextlib.nullcontext():
+            self.backbone = Backbone(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.mtp = MTPBlock(config) if config.has_mtp else None
+        if init and device.type != "meta":
+            self.to_empty(device=device)
             self.init_weights()
 
     # ------------------------------------------------------------------------------------------------ init
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """N(0, initializer_range) linears; Mamba's A_log = log(1..heads), D = 1, dt_bias = softplus^-1(dt) with dt
-        log-uniform in [time_step_min, time_step_max] floored at time_step_floor; Mamba out_proj scaled by
-        1/sqrt(n_layers) so the residual stream does not grow with depth."""
+        """Every parameter and buffer set by `initializers`, in their order."""
+        tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        for name, initialize in self.initializers():
+            initialize(tensors[name], generator)
+
+    def initializers(self) -> list[tuple[str, Callable[[torch.Tensor, torch.Generator | None], object]]]:
+        """(name, fill in place) of every parameter and buffer, in the order they draw from the generator.
+        N(0, initializer_range) linears, embedding, routers and experts; norms 1; biases 0; Mamba's A_log =
+        log(1..heads), D = 1, dt_bias = softplus^-1(dt) with dt log-uniform in [time_step_min, time_step_max]
+        floored at time_step_floor, conv1d U(+-1/sqrt(kernel)), and out_proj scaled by 1/sqrt(n_layers) so the
+        residual stream does not grow with depth. Each fill reads only its own tensor's shape: a sharded build
+        (`hybridtron.dist.materialize`) runs them one whole tensor at a time, in this order, and keeps its shard,
+        so every layout starts from the weights one process draws from the same seed."""
         cfg, std = self.config, self.config.initializer_range
-        for module in self.modules():
+        mamba = [(name, module) for name, module in self.named_modules() if isinstance(module, Mamba2Mixer)]
+        rescaled = {f"{name}.out_proj" for name, _ in mamba} if cfg.rescale_prenorm_residual else set()
+        residual_divisor = math.sqrt(cfg.num_hidden_layers)
+
+        def normal(tensor, generator):
+            return tensor.normal_(0.0, std, generator=generator)
+
+        def zero(tensor, generator):
+            return tensor.zero_()
+
+        def one(tensor, generator):
+            return tensor.fill_(1.0)
+
+        plan = []
+        for name, module in self.named_modules():
+            prefix = f"{name}." if name else ""
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=generator)
+                plan.append((prefix + "weight", (lambda t, g: normal(t, g).div_(residual_divisor))
+                             if name in rescaled else normal))
                 if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                    plan.append((prefix + "bias", zero))
             elif isinstance(module, (RMSNorm, GatedGroupRMSNorm)):
-                module.weight.fill_(1.0)
+                plan.append((prefix + "weight", one))
             elif isinstance(module, Router):
-                module.weight.normal_(0.0, std, generator=generator)
-                module.e_score_correction_bias.zero_()
+                plan += [(prefix + "weight", normal), (prefix + "e_score_correction_bias", zero)]
             elif isinstance(module, RoutedExperts):
-                module.up_proj.normal_(0.0, std, generator=generator)
-                module.down_proj.normal_(0.0, std, generator=generator)
-        for module in self.modules():
-            if isinstance(module, Mamba2Mixer):
-                heads = module.num_heads
-                module.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
-                module.D.fill_(1.0)
-                u = torch.rand(heads, generator=generator)
-                dt = torch.exp(u * (math.log(cfg.time_step_max) - math.log(cfg.time_step_min))
-                               + math.log(cfg.time_step_min)).clamp(min=cfg.time_step_floor)
-                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-                fan_in = module.conv1d.weight.shape[-1]
-                module.conv1d.weight.uniform_(-fan_in ** -0.5, fan_in ** -0.5, generator=generator)
-                if module.conv1d.bias is not None:
-                    module.conv1d.bias.zero_()
-                if cfg.rescale_prenorm_residual:
-                    module.out_proj.weight.div_(math.sqrt(cfg.num_hidden_layers))
+                plan += [(prefix + "up_proj", normal), (prefix + "down_proj", normal)]
+
+        def dt_bias(tensor, generator):
+            dt = torch.exp(torch.rand(tensor.shape, generator=generator)
+                           * (math.log(cfg.time_step_max) - math.log(cfg.time_step_min))
+                           + math.log(cfg.time_step_min)).clamp(min=cfg.time_step_floor)
+            return tensor.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+
+        def a_log(tensor, generator):
+            return tensor.copy_(torch.log(torch.arange(1, len(tensor) + 1, dtype=torch.float32)))
+
+        def conv_weight(tensor, generator):
+            bound = tensor.shape[-1] ** -0.5  # fan in: the depthwise kernel's width
+            return tensor.uniform_(-bound, bound, generator=generator)
+
+        for name, module in mamba:
+            plan += [(f"{name}.A_log", a_log), (f"{name}.D", one), (f"{name}.dt_bias", dt_bias),
+                     (f"{name}.conv1d.weight", conv_weight)]
+            if module.conv1d.bias is not None:
+                plan.append((f"{name}.conv1d.bias", zero))
+        return plan
 
     # -------------------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,

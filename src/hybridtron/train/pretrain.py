@@ -80,7 +80,9 @@ def build_trainer(config, out: Path, checkpoints, *, quiet: bool, stream=None):
     if not quiet:
         print(data.mixture_report.format(max_rows=12), file=stream)
 
-    model = HybridLM(model_config)
+    # under torchrun every rank builds the model on the meta device and `parallelize` fills in its own shards
+    # (hybridtron.dist.materialize): no rank holds the whole model, and every layout starts from these weights
+    model = HybridLM(model_config) if parallel is None else HybridLM.on_meta(model_config)
     val_batches = data.val_batches if parallel is None else \
         [(ids.to(parallel.device), labels.to(parallel.device)) for ids, labels in data.val_batches]
     val_batches, sum_over_shares = held_out_shares(val_batches, parallel)  # under CP: this rank's shares

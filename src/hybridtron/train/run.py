@@ -154,14 +154,17 @@ def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: in
 
 
 def prepare_process(train, model_config, micro_batch_tokens: int, stream=None) -> None:
-    """Before anything is built: refuse a run that cannot fit in memory, warn of a slow bf16 CPU, set the thread
-    count and the seed (model initialization and everything after it draw from it)."""
+    """Before anything is built: refuse a single-process run that cannot fit in memory (a sharded one is sized by
+    `hybridtron plan --layout`), warn of a slow bf16 CPU, set the thread count and the seed (model initialization
+    and everything after it draw from it)."""
     import torch
 
+    from hybridtron.dist.mesh import world_from_env
     from hybridtron.train.preflight import bf16_warning, check_memory
 
     device = torch.device("cpu")
-    check_memory(model_config, micro_batch_tokens, device, "this run")
+    if world_from_env()[0] == 1:
+        check_memory(model_config, micro_batch_tokens, device, "this run")
     warning = bf16_warning(train.precision, device)
     if warning:
         print(warning, file=sys.stderr if stream is None else stream)
