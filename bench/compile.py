@@ -15,8 +15,8 @@ same run on the same device and clock (`bench/pretrain.py`'s model FLOPs per tok
 copies on a GPU (every step and matmul timed to its end with a synchronize). `--gemm-share`
 profiles one more eager step and reports the share of it spent in GEMM kernels, which compile runs unchanged:
 eager / (those GEMMs alone) is the most any compile of the step could give. `--blocks` also times one block of
-each kind (and the MTP block, if the model has one) alone, forward + backward of the sum of its output, eager against compiled, the
-medians of `--repeats`: where the step's gain comes from, and what stays eager (the loss).
+each kind (and the MTP block, if the model has one) alone, forward + backward of the sum of its output, eager against
+compiled, the medians of `--repeats`: where the step's gain comes from, and what stays eager (the loss).
 """
 
 from __future__ import annotations
@@ -40,15 +40,18 @@ from clock import timed
 from pretrain import finished, matmul_peak, model_flops_per_token
 
 
+def autocast(device: torch.device, precision: str):
+    """bf16 autocast as the Trainer runs `train.precision=bf16`; a no-op context for fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def make_step(model, compiled: bool, ids, labels, fused_head: bool = True, precision: str = "fp32"):
     optimizer = build_optimizer(model, TrainConfig(lr=1e-4, compile=compiled))  # compiled: fused AdamW
     # fused_head=False: the loss reads the model's logits (compiled: through the compiled cross entropy)
     objective = PretrainObjective(compile_loss=compiled, fused_head=fused_head)
-    autocast = torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=precision == "bf16")  # as Trainer does
-
     def step():
         objective.begin_step([(ids, labels)])
-        with autocast:
+        with autocast(ids.device, precision):
             out = objective(model, (ids, labels))
         out.loss.backward()
         optimizer.step()
@@ -81,7 +84,6 @@ def block_times(model, batch: int, seq: int, repeats: int, precision: str) -> li
     device = next(model.parameters()).device
     hidden = torch.randn(batch, seq, model.config.hidden_size, requires_grad=True, device=device)
     next_embedding = torch.randn(batch, seq, model.config.hidden_size, device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     seen, rows = set(), []
     for parent, key in _all_blocks(model):
         block = _get(parent, key)
@@ -92,11 +94,9 @@ def block_times(model, batch: int, seq: int, repeats: int, precision: str) -> li
 
         def run(module):
             # one MTP depth reads the previous depth's hidden states and the next tokens' embeddings
-            with autocast:
+            with autocast(device, precision):
                 out = module(hidden, next_embedding) if kind == "mtp" else module(hidden)
             (out[0] if isinstance(out, tuple) else out).float().sum().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
 
         compiled = copy.deepcopy(block)
         compiled.compile()
@@ -105,7 +105,7 @@ def block_times(model, batch: int, seq: int, repeats: int, precision: str) -> li
         times = {id(block): [], id(compiled): []}
         for _ in range(repeats):
             for module in (block, compiled):
-                times[id(module)].append(timed(lambda: run(module)))
+                times[id(module)].append(timed(finished(lambda: run(module), device)))
         rows.append((kind, statistics.median(times[id(block)]), statistics.median(times[id(compiled)])))
     return rows
 

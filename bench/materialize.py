@@ -4,10 +4,11 @@ meta-device build that `hybridtron pretrain` runs under torchrun (`hybridtron.di
     python bench/materialize.py [--preset bench22m] [--depth 8] [--worlds 2,4] [--layout dp_shard]
 
 `--depth N` repeats the preset's layer pattern N times (a deeper model of the same width: its embedding and lm_head,
-the largest single tensors, become a small part of it, as in a real model). Each (world, build) pair is its own torchrun job on gloo (this script with `--worker`), so each rank's peak
-resident memory (`ru_maxrss`) is that build's alone. A rank reports its peak before the build (torch and the
-process group loaded), after it, and the bytes of its own shards; the table gives the medians over the ranks. Both
-builds give every rank the same shards (checked here: a checksum of each rank's shards must agree between them).
+the largest single tensors, become a small part of it, as in a real model). Each (world, build) pair is its own
+torchrun job on gloo (this script with `--worker`), so each rank's peak resident memory (`ru_maxrss`) is that
+build's alone. A rank reports its peak before the build (torch and the process group loaded), after it, and the
+bytes of its own shards; the table gives the medians over the ranks. Both builds give every rank the same shards
+(checked here: a checksum of each rank's shards must agree between them).
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def main() -> None:
         return
     model = HybridLM.on_meta(deeper(args.preset, args.depth))
     whole_mib = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
-    print(f"{args.preset} x {args.depth} ({len(model.config.layers_block_type)} layers): {model.num_parameters(include_mtp=True) / 1e6:.1f}M parameters, {whole_mib:.0f} MiB of "
-          f"fp32 weights; {args.layout} over every rank, gloo; medians over the ranks\n")
+    print(f"{args.preset} x {args.depth} ({len(model.config.layers_block_type)} layers): "
+          f"{model.num_parameters(include_mtp=True) / 1e6:.1f}M parameters, {whole_mib:.0f} MiB of fp32 weights; "
+          f"{args.layout} over every rank, gloo; medians over the ranks\n")
     print("| world | build | peak RSS before (MiB) | peak RSS after (MiB) | growth (MiB) | own shards (MiB) | "
           "build (s) |")
     print("|---:|---|---:|---:|---:|---:|---:|")
