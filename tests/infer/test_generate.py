@@ -1,5 +1,8 @@
 """Plain generation: batched chunked prefill, decode against the full forward, sampling, stops, limits, text, CLI."""
 
+import re
+import time
+
 import pytest
 import torch
 
@@ -9,6 +12,8 @@ from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.infer.decoder import Decoder
 from hybridtron.infer.engine import generate_tokens
 from hybridtron.infer.fastpath import lay_out_for_decoding
+from hybridtron.infer.generate import summary
+from hybridtron.infer.speculative import AcceptanceStats
 from hybridtron.infer.text import TextStream, stream_text
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.model.lm import HybridLM
@@ -196,7 +201,7 @@ def test_generate_command_streams_the_greedy_text(tmp_path, small_config, tokeni
                                                                      stop_token_ids=(2, 4)))[0]
     expected = tokenizer.decode([t for t in ids if t not in (2, 4)])
     assert plain.out == expected + "\n"
-    assert "tokens/s" in plain.err
+    assert "tokens/s" in plain.err and "; plain decode]" in plain.err
     assert main(args + ["--speculative", "--draft-length", "3"]) == 0
     speculative = capsys.readouterr()
     assert speculative.out == plain.out and "mean acceptance length" in speculative.err
@@ -238,19 +243,45 @@ def test_generate_command_finds_a_runs_export_and_states_the_context_limit(tmp_p
     assert "expected config.json there, or in" in capsys.readouterr().err
 
 
-def test_generate_command_compiled(tmp_path, small_config, tokenizer, capsys):
-    """`--compile` (speculative decoding off unless asked) prints the plain greedy text."""
+def test_generate_command_compiled_reports_the_compile_it_spent(tmp_path, small_config, tokenizer, capsys):
+    """`--compile` (speculative decoding off unless asked) prints the plain greedy text, and the summary reports
+    the seconds the compile took (a warm-up before the timed tokens): most of what the command spent beyond an
+    uncompiled run, not the 0.00 s of timing a step that had compiled before its first token was seen."""
     model = HybridLM(small_config(vocab_size=640)).eval()
     save_pretrained(model, tmp_path / "ckpt")
     tokenizer.save(tmp_path / "ckpt")
     args = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "def generate_tokens(model", "--max-tokens", "9",
             "--temperature", "0"]
+    start = time.perf_counter()
     assert main(args + ["--no-speculative"]) == 0
+    plain_seconds = time.perf_counter() - start
     plain = capsys.readouterr()
+    start = time.perf_counter()
     assert main(args + ["--compile"]) == 0
+    compiled_seconds = time.perf_counter() - start
     compiled = capsys.readouterr()
     assert compiled.out == plain.out and "mean acceptance length" not in compiled.err
-    assert "first decode step (compile)" in compiled.err and "tokens/s (steady state)" in compiled.err
+    assert "compiling the decode step" in compiled.err and "tokens/s (steady state)" in compiled.err
+    reported = float(re.search(r"decode step compiled in ([0-9.]+)s before them", compiled.err).group(1))
+    assert 0.2 < reported <= compiled_seconds, compiled.err
+    assert reported > 0.5 * (compiled_seconds - plain_seconds), (reported, compiled_seconds, plain_seconds)
+
+
+def test_the_summary_says_whether_decoding_drafted():
+    """No speculative decoding, or an adaptive draft length that settled at 0: "plain decode", never "speculative,
+    draft length 0"."""
+    def stats(draft_length, steps, accepted):
+        return AcceptanceStats(draft_length=draft_length, steps=steps, accepted=accepted)
+
+    assert summary(10, 0.5, None, None) == "[10 tokens in 0.50s, 20.0 tokens/s; plain decode]"
+    settled = summary(10, 0.5, None, stats(0, 0, 0))
+    assert "; plain decode: drafting did not pay" in settled and "draft length 0" not in settled
+    probed = summary(10, 0.5, None, stats(0, 1, 0))
+    assert "plain decode" in probed and "(1 verification step probed it, mean acceptance length 1.00)" in probed
+    assert summary(10, 0.5, None, stats(3, 4, 6)).endswith(
+        "; speculative, draft length 3: mean acceptance length 2.50 over 4 verification steps]")
+    compiled = summary(10, 0.5, 12.25, None)
+    assert "20.0 tokens/s (steady state); decode step compiled in 12.25s before them; plain decode]" in compiled
 
 
 # ---------------------------------------------------------------------------------------------------- engine

@@ -5,6 +5,7 @@ test_server_engine.py."""
 import asyncio
 import contextlib
 import json
+import math
 import random
 import re
 import socket
@@ -18,6 +19,7 @@ import pytest
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.scheduler import EngineError, EngineStats, QueueFull, TokenEvent
 from hybridtron.infer.server import create_app
+from hybridtron.infer.server.metrics import MetricFamilies
 from hybridtron.infer.text import SequenceText, TextStream
 
 openai = pytest.importorskip("openai")
@@ -580,13 +582,73 @@ def test_metrics(server, client):
     http(server[1], "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1})
     status, headers, raw = http(server[1], "/metrics", method="GET")
     text = raw.decode()
-    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
     for code in (200, 400):
         assert re.search(rf'^hybridtron_http_responses_total\{{route="/v1/completions",status="{code}"\}} [1-9]', text,
                          re.M), code
     for name in ("engine_queue_length", "engine_batch_occupancy", "engine_tokens_per_second",
-                 "engine_mean_acceptance_length", "generation_tokens_total", "time_to_first_token_seconds"):
+                 "engine_mean_acceptance_length", "generation_tokens_total", "time_to_first_token_seconds_count"):
         assert re.search(rf"^hybridtron_{name}(\{{[^}}]*\}})? \S+$", text, re.M), name
+
+
+# Every family /metrics exposes, and its type (counters by the name the parser gives them, without `_total`).
+METRIC_FAMILIES = {
+    "http_responses": "counter", "requests_finished": "counter", "prompt_tokens": "counter",
+    "generation_tokens": "counter", "request_seconds": "summary", "time_to_first_token_seconds": "summary",
+    "request_timeouts": "counter", "queue_full": "counter", "engine_requests_served": "counter",
+    "engine_requests_running": "gauge", "engine_queue_length": "gauge", "engine_slots": "gauge",
+    "engine_slots_used": "gauge", "engine_batch_occupancy": "gauge", "engine_tokens_per_second": "gauge",
+    "engine_mean_acceptance_length": "gauge", "engine_draft_length": "gauge", "engine_cache_bytes": "gauge",
+    "engine_prompt_tokens": "counter", "engine_generated_tokens": "counter",
+}
+
+
+def test_metrics_follow_the_prometheus_text_format(server, client):
+    """/metrics read by prometheus_client's parser: every family typed as it should be (a sample whose name does not
+    fit its family's type comes back as an untyped family of its own), with a help text; a summary is exactly its
+    `_sum` and `_count`; counters' samples end in `_total`; the values are the server's."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=4)
+    status, _, raw = http(server[1], "/metrics", method="GET")
+    assert status == 200
+    families = {family.name.removeprefix("hybridtron_"): family
+                for family in parser.text_string_to_metric_families(raw.decode())}
+    assert {name: family.type for name, family in families.items()} == METRIC_FAMILIES
+    for name, family in families.items():
+        assert family.documentation, name
+        if family.type == "summary":
+            assert sorted(sample.name for sample in family.samples) == [f"{family.name}_count", f"{family.name}_sum"]
+        elif family.type == "counter":
+            assert family.samples and all(sample.name == family.name + "_total" for sample in family.samples), name
+        else:
+            assert [sample.name for sample in family.samples] == [family.name], name
+    values = {sample.name.removeprefix("hybridtron_"): sample.value
+              for family in families.values() for sample in family.samples if not sample.labels}
+    assert values["request_seconds_count"] >= 1 and values["request_seconds_sum"] > 0
+    assert values["time_to_first_token_seconds_count"] >= 1
+    assert 0 < values["time_to_first_token_seconds_sum"] <= values["request_seconds_sum"]
+    assert values["generation_tokens_total"] >= 4
+    assert math.isnan(values["engine_mean_acceptance_length"])  # the fake engine never drafts
+    completions = {sample.labels["status"]: sample.value for sample in families["http_responses"].samples
+                   if sample.labels["route"] == "/v1/completions"}
+    assert completions["200"] >= 1
+
+
+def test_metric_text_escapes_label_values_and_help():
+    """Backslashes, quotes and newlines in a label value or a help text survive the round trip through the parser;
+    NaN and infinities are spelt as the format wants."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    families = MetricFamilies()
+    tricky = 'a "quoted" \\path\nand a new line'
+    families.add("odd_total", "counter", "help with \\ and\na new line", [({"label": tricky}, 3)])
+    families.add("values", "gauge", "special values", [({"which": "nan"}, math.nan), ({"which": "inf"}, math.inf),
+                                                       ({"which": "-inf"}, -math.inf), ({"which": "half"}, 0.5)])
+    parsed = {family.name: family for family in parser.text_string_to_metric_families(families.text())}
+    odd = parsed["hybridtron_odd"]
+    assert odd.documentation == "help with \\ and\na new line" and odd.samples[0].labels == {"label": tricky}
+    values = {sample.labels["which"]: sample.value for sample in parsed["hybridtron_values"].samples}
+    assert math.isnan(values["nan"]) and values["inf"] == math.inf and values["-inf"] == -math.inf
+    assert values["half"] == 0.5
 
 
 def test_client_gone_before_a_plain_response_frees_the_engine(server, client):
@@ -633,13 +695,12 @@ def test_shutdown_cancels_what_outlives_the_graceful_timeout():
 
 
 # ------------------------------------------------------------------------------------------ the command
-def test_serve_command_wires_the_engine(monkeypatch, tmp_path, capsys):
-    """`hybridtron serve` builds the engine with load_engine(dir, speculative, draft_length, compile, max_queue, ...),
-    names it --served-model-name, and runs uvicorn with the graceful shutdown timeout."""
+@pytest.fixture
+def serve_command(monkeypatch):
+    """`hybridtron serve` with a fake engine and a uvicorn server that returns at once: `calls["load"]` holds
+    load_engine's (model_dir, options), `calls["run"]` the server's (config, bound address, app)."""
     import sys
     import types
-
-    from hybridtron.cli import main
 
     calls = {}
     fake_engine_module = types.ModuleType("hybridtron.infer.engine")
@@ -648,26 +709,87 @@ def test_serve_command_wires_the_engine(monkeypatch, tmp_path, capsys):
         calls["load"] = (model_dir, options)
         return FakeEngine()
 
+    def run(server, sockets):
+        calls["run"] = (server.config, sockets[0].getsockname(), server.config.app)
+        server.started = True
+
     fake_engine_module.load_engine = load_engine
     monkeypatch.setitem(sys.modules, "hybridtron.infer.engine", fake_engine_module)
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: calls.setdefault("run", (app, host, port, kw)))
-    assert main(["serve", "--model", str(tmp_path), "--port", "9123", "--no-speculative", "--draft-length", "5",
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.delenv("HYBRIDTRON_API_KEY", raising=False)
+    yield calls
+    FakeEngine.model_name = MODEL  # the fake's class attribute may have been shadowed on an instance
+
+
+def test_serve_command_wires_the_engine(serve_command, tmp_path, capsys):
+    """`hybridtron serve` builds the engine with load_engine(dir, speculative, draft_length, compile, max_queue, ...),
+    names it --served-model-name, and serves on the port it bound, with the graceful shutdown timeout."""
+    from hybridtron.cli import main
+
+    calls = serve_command
+    assert main(["serve", "--model", str(tmp_path), "--port", "0", "--no-speculative", "--draft-length", "5",
                  "--max-slots", "8", "--max-queue", "4", "--served-model-name", "mine"]) == 0
     assert calls["load"] == (str(tmp_path), dict(speculative=False, draft_length=5, compile=False, max_queue=4,
                                                  max_slots=8))
-    app, host, port, options = calls.pop("run")
-    assert (host, port) == ("127.0.0.1", 9123) and app.state.engine.model_name == "mine"
-    assert options["timeout_graceful_shutdown"] == 30.0
-    assert main(["serve", "--model", str(tmp_path)]) == 0
+    config, (host, port), app = calls.pop("run")
+    assert host == "127.0.0.1" and port != 0 and (config.host, config.port) == (host, port)
+    assert app.state.engine.model_name == "mine" and config.timeout_graceful_shutdown == 30.0
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 0
     assert calls["load"] == (str(tmp_path), dict(speculative=True, draft_length=None, compile=False, max_queue=256))
     FakeEngine.model_name = MODEL  # the fake's class attribute was shadowed on one instance only
-    assert calls["run"][0].state.engine.model_name == MODEL
+    assert calls["run"][2].state.engine.model_name == MODEL
 
+    capsys.readouterr()
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
     for bad in (["--draft-length", "0"], ["--max-queue", "-1"], ["--request-timeout", "-1"], ["--port", "70000"]):
         assert main(["serve", "--model", str(tmp_path), *bad]) == 2
         assert bad[0] in capsys.readouterr().err
+
+
+def test_serve_port_0_prints_the_port_it_bound(serve_command, tmp_path, capsys):
+    """`--port 0`: the start line names the free port the system picked (not ":0"), the one the server runs on."""
+    from hybridtron.cli import main
+
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 0
+    _, (_, port), _ = serve_command["run"]
+    start_line = capsys.readouterr().err
+    assert port != 0 and f"on http://127.0.0.1:{port}/v1" in start_line and ":0/" not in start_line
+
+
+def test_serve_refuses_a_port_in_use(serve_command, tmp_path, capsys):
+    """A port another process listens on: one line naming --port, before the model loads."""
+    from hybridtron.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tmp_path), "--port", str(port)]) == 2
+    error = capsys.readouterr().err
+    assert f"--port {port}: cannot listen there" in error and len(error.strip().splitlines()) == 1
+    assert "load" not in serve_command
+
+
+def test_serve_refuses_an_empty_api_key(serve_command, tmp_path, capsys, monkeypatch):
+    """`--api-key "$KEY"` with KEY unset passes an empty key: the server does not start (a server without
+    authentication while the user believes one is required); nor with an empty $HYBRIDTRON_API_KEY. A key, or
+    none at all, is said in the start line."""
+    from hybridtron.cli import main
+
+    for key in ("", "  "):
+        assert main(["serve", "--model", str(tmp_path), "--port", "0", "--api-key", key]) == 2
+        error = capsys.readouterr().err
+        assert "--api-key is empty (an unset shell variable?)" in error and len(error.strip().splitlines()) == 1
+    assert "load" not in serve_command and "run" not in serve_command
+    monkeypatch.setenv("HYBRIDTRON_API_KEY", "")
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 2
+    assert "$HYBRIDTRON_API_KEY is empty" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path), "--port", "0", "--api-key", "secret"]) == 0
+    assert "(clients must send the API key)" in capsys.readouterr().err
+    monkeypatch.delenv("HYBRIDTRON_API_KEY")
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 0
+    assert "(no API key: every client is served)" in capsys.readouterr().err
 
 
 def test_missing_fastapi_is_a_clear_error(monkeypatch):

@@ -136,21 +136,102 @@ def test_every_plot_is_a_real_picture(tmp_path):
         assert len({tuple(p) for p in rgb[:: max(1, len(rgb) // 20000)]}) > 20, f"{title}: too few colours"
 
 
-def test_the_mtp_router_is_named_in_the_summary_and_the_heatmap(tmp_path, capsys, monkeypatch):
-    labels = []
+@pytest.fixture
+def drawn_figures(monkeypatch):
+    """Every figure the report draws, by plot title, after the report laid it out and saved it."""
+    figures = []
     real_png = report._png
 
-    def keep_labels(plt, figure):
-        labels.append([tick.get_text() for axes in figure.axes for tick in axes.get_yticklabels()])
-        return real_png(plt, figure)
+    def keep(plt, figure):
+        png = real_png(plt, figure)
+        figures.append(figure)
+        return png
 
-    monkeypatch.setattr(report, "_png", keep_labels)
+    monkeypatch.setattr(report, "_png", keep)
+    titles = [title for title, _, _ in report.PLOTS]
+    return lambda: dict(zip(titles, figures))
+
+
+def test_the_mtp_router_is_named_in_the_summary_and_the_heatmap(tmp_path, capsys, drawn_figures):
     write_report(fake_run(tmp_path / "run", mtp_router=True))
     assert "MaxVio layer 1 2.4, layer 3 1.2, layer 7 1.2, MTP layer 1 1.3, bound E/K 4" in capsys.readouterr().out
-    maxvio_labels = labels[[title for title, _, _ in report.PLOTS].index("MaxVio")]
+    maxvio_labels = [tick.get_text() for axes in drawn_figures()["MaxVio"].axes for tick in axes.get_yticklabels()]
     assert [label for label in maxvio_labels if "layer" in label] == ["layer 1", "layer 3", "layer 7", "MTP layer 1"]
     assert report.router_label("router_bias_spread/mtp.1") == "MTP layer 1"
     assert report.router_label("maxvio/12") == "layer 12"
+
+
+def test_centered_mean():
+    """Centred: a straight line comes back as it is, ends included (the window shrinks there, it does not lag);
+    a swing averages out; a NaN step is left out of its neighbours' means."""
+    ramp = [2.0 * i + 1 for i in range(20)]
+    assert report.centered_mean(ramp, 7) == pytest.approx(ramp)
+    swing = [5.0 + (1.5 if i % 2 else -1.5) for i in range(21)]
+    assert report.centered_mean(swing, 9)[4:-4] == pytest.approx([5.0 + 1.5 / 9 * (1 if i % 2 else -1)
+                                                                   for i in range(4, 17)])
+    with_nan = report.centered_mean([1.0, 2.0, math.nan, 4.0, 5.0], 3)
+    assert with_nan == pytest.approx([1.0, 1.5, 3.0, 4.5, 5.0])
+    assert math.isnan(report.centered_mean([math.nan] * 3, 3)[1])
+    assert report.loss_smoothing_window(400) == 33 and report.loss_smoothing_window(60) == 5
+    assert report.loss_smoothing_window(11) == 1
+
+
+def test_loss_panel_draws_a_smoothed_line_over_the_faint_steps(tmp_path, drawn_figures):
+    """Each loss: the per-step values faint, and over them a centered moving average, which the legend names (its
+    window and kind); the smoothed line swings far less than the raw one."""
+    run_dir = fake_run(tmp_path / "run", steps=120)
+    write_report(run_dir)
+    axes = drawn_figures()["Losses"].axes[0]
+    data = report.load_run(run_dir)
+    window = report.loss_smoothing_window(120)
+    legend = axes.get_legend()
+    assert f"centered mean\nof {window} steps" in legend.get_title().get_text()
+    assert [text.get_text() for text in legend.get_texts()] == ["loss", "lm_loss", "mtp_loss_1", "mtp_loss_2",
+                                                                "val_loss"]
+    lines = {line.get_label(): line for line in axes.lines}
+    for key in ("loss", "lm_loss", "mtp_loss_1", "mtp_loss_2"):
+        steps, raw = data.steps(key)
+        smooth = lines[key]
+        assert list(smooth.get_xdata()) == steps
+        assert list(smooth.get_ydata()) == pytest.approx(report.centered_mean(raw, window), nan_ok=True)
+        faint = [line for line in axes.lines if line.get_alpha() is not None and line.get_alpha() <= 0.3
+                 and list(line.get_ydata()) == pytest.approx(raw, nan_ok=True)]
+        assert len(faint) == 1 and faint[0].get_color() == smooth.get_color(), key
+
+        def swing(values):
+            finite = [v for v in values if math.isfinite(v)]
+            return sum(abs(b - a) for a, b in zip(finite, finite[1:]))
+
+        assert swing(smooth.get_ydata()) < 0.5 * swing(raw), key
+
+
+def test_legends_sit_outside_the_data(tmp_path, drawn_figures):
+    """Every legend of every plot lies outside its axes (beside or below them, not over the curves) and inside the
+    picture (not cut off)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    write_report(fake_run(tmp_path / "run", nvfp4=True))
+    checked = 0
+    for title, figure in drawn_figures().items():
+        renderer = FigureCanvasAgg(figure).get_renderer()  # a closed figure's canvas no longer renders
+        picture = figure.bbox
+        for axes in figure.axes:
+            legend = axes.get_legend()
+            if legend is None:
+                continue
+            box, data_box = legend.get_window_extent(renderer), axes.get_window_extent(renderer)
+            assert not box.overlaps(data_box), f"{title}: the legend covers the axes"
+            assert picture.x0 <= box.x0 and box.x1 <= picture.x1 and picture.y0 <= box.y0 and box.y1 <= picture.y1, \
+                f"{title}: the legend runs off the picture"
+            checked += 1
+    assert checked >= 6  # losses, gradient norms, residual RMS, two balance panels, events
+
+
+def test_the_events_heading_appears_once(tmp_path):
+    page = write_report(fake_run(tmp_path / "run")).read_text()
+    assert len(re.findall(r"<h2>Events</h2>", page)) == 1
+    heading, table = page.index("<h2>Events</h2>"), page.index("<th>detector</th>")
+    assert heading < table and page.count("<table>") == 1
 
 
 # ------------------------------------------------------------------------------------- headless Chromium
@@ -172,10 +253,10 @@ def chromium() -> str:
     pytest.skip("headless Chromium not found (Debian: apt-get install -y chromium)")
 
 
-def rendered_title(page: Path, profile: Path) -> str:
-    """Load the page in headless Chromium with PROBE added; the title it sets once every image has loaded."""
+def rendered_title(page: Path, profile: Path, probe_script: str = PROBE) -> str:
+    """Load the page in headless Chromium with `probe_script` added; the title it sets once the page has loaded."""
     probe = page.with_name("probe.html")
-    probe.write_text(page.read_text().replace("<head>", "<head>" + PROBE, 1))
+    probe.write_text(page.read_text().replace("<head>", "<head>" + probe_script, 1))
     result = subprocess.run(
         [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -184,6 +265,30 @@ def rendered_title(page: Path, profile: Path) -> str:
     match = re.search(r"<title>([^<]*)</title>", result.stdout)
     assert match, f"Chromium printed no DOM (exit {result.returncode}): {result.stderr[-500:]}"
     return match.group(1)
+
+
+SUMMARY_PROBE = """<script>
+window.addEventListener('load', function () {
+  var summary = document.querySelector('pre');
+  document.title = 'summary overflows by ' + Math.max(0, summary.scrollWidth - summary.clientWidth) + ' px, right edge '
+    + Math.round(summary.getBoundingClientRect().right) + ' of ' + document.documentElement.clientWidth;
+});
+</script>"""
+
+
+def test_the_summary_box_is_not_cut_off_in_headless_chromium(tmp_path):
+    """A summary line longer than the page is wide (a long event message) wraps inside the box: nothing of it is
+    hidden past the box's edge (Chromium's default window, 800 px wide)."""
+    run_dir = fake_run(tmp_path / "run")
+    long_message = "lm_loss 9.41 is 3.2 standard deviations above its EMA 3.05; a rollback to " + "/very/long" * 12
+    with (run_dir / "events.jsonl").open("a") as events:
+        events.write(json.dumps({"time": 4, "step": 50, "detector": "loss_spike", "action": "warn",
+                                 "message": long_message}) + "\n")
+    page = write_report(run_dir)
+    title = rendered_title(page, tmp_path / "profile", SUMMARY_PROBE)
+    overflow, right, width = map(int, re.fullmatch(r"summary overflows by (\d+) px, right edge (\d+) of (\d+)",
+                                                   title).groups())
+    assert overflow == 0 and right <= width, title
 
 
 def test_every_plot_renders_in_headless_chromium(tmp_path):

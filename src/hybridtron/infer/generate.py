@@ -5,9 +5,9 @@
 `--model` is a checkpoint directory (config.json, safetensors, tokenizer.json) or a run directory, whose HF export
 (`hf/`) is used. The text streams to stdout; a summary line (tokens, time, tokens/s, and the acceptance of
 speculative decoding) goes to stderr. `--max-tokens` must fit in the model's context with the prompt: asking for
-more is an error that states the limit. With `--compile` the first decode step compiles the model's one-token
-step (seconds to tens of seconds on a CPU); the summary reports that step's time apart from the steady-state rate
-of the tokens after it.
+more is an error that states the limit. With `--compile` a warm-up generation of the same prompt, cut after its
+first decode step, compiles the decode step before the timed generation (seconds to tens of seconds on a CPU); the
+summary reports that compile apart from the rate of the timed tokens, which is then the steady state.
 
 The work is `hybridtron.infer.engine` (`load_engine`, `HybridEngine.stream_text`); this module keeps its imports
 light so that `--help` is fast.
@@ -47,27 +47,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="intra-op threads (default: 1; one sequence's decode step is a chain of small ops, "
                              "where more threads cost more in synchronisation than they save: BENCHMARKS.md)")
     parser.add_argument("--compile", action="store_true",
-                        help="the decode steps compiled by torch.compile (static shapes; the first decode step "
-                             "waits for the compile, tens of seconds on a CPU; faster per token after). Turns "
-                             "speculative decoding off unless --speculative is given (each draft length it tries "
-                             "compiles its own step)")
+                        help="the decode steps compiled by torch.compile (static shapes; a warm-up generation "
+                             "compiles them first, tens of seconds on a CPU, which the summary reports; faster per "
+                             "token after). Turns speculative decoding off unless --speculative is given (each draft "
+                             "length it tries compiles its own step)")
 
 
-def summary(count: int, seconds: float, token_times: list[float], compiled: bool, stats) -> str:
-    """The stderr line: tokens and rate; with a compiled step, the first decode step (the compile) apart."""
+def summary(count: int, seconds: float, compile_seconds: float | None, stats) -> str:
+    """The stderr line: tokens and rate, the compile time (None: not compiled), and whether decoding drafted
+    (`stats`: the engine's `last_stats`, None without speculative decoding)."""
     line = f"[{count} tokens in {seconds:.2f}s, {count / max(seconds, 1e-9):.1f} tokens/s"
-    if compiled:
-        # token 1 comes from the prompt's logits, token 2 from the first compiled step, which compiles
-        if count >= 3:
-            steady = token_times[-1] - token_times[1]
-            line += (f"; first decode step (compile) {token_times[1] - token_times[0]:.2f}s, then "
-                     f"{count - 2} tokens at {(count - 2) / max(steady, 1e-9):.1f} tokens/s (steady state)")
-        else:
-            line += "; too few tokens to time the steady state apart from the compile"
-    if stats is not None and stats.steps:
-        line += f"; speculative, draft length {stats.draft_length}: mean acceptance length " \
-                f"{stats.mean_acceptance_length:.2f} over {stats.steps} verification steps"
-    return line + "]"
+    if compile_seconds is not None and stats is None:
+        line += f" (steady state); decode step compiled in {compile_seconds:.2f}s before them"
+    elif compile_seconds is not None:
+        line += f"; plain decode step compiled in {compile_seconds:.2f}s before them (each draft length compiles " \
+                f"its own step when first tried, within these tokens)"
+    if stats is None:
+        return line + "; plain decode]"
+    verified = f"{stats.steps} verification step{'' if stats.steps == 1 else 's'}"
+    if stats.draft_length == 0:
+        # the adaptive draft length settles at 0 where drafting does not pay; a probe now and then may draft
+        line += "; plain decode: drafting did not pay at the measured acceptance and step times"
+        if stats.steps:
+            line += f" ({verified} probed it, mean acceptance length {stats.mean_acceptance_length:.2f})"
+        return line + "]"
+    return line + f"; speculative, draft length {stats.draft_length}: mean acceptance length " \
+                  f"{stats.mean_acceptance_length:.2f} over {verified}]"
+
+
+def warm_up(engine, prompt_ids: list[int], params) -> float:
+    """Seconds of a generation of the timed one's prompt and parameters cut after its first decode step: the
+    prompt's prefill, the compile of the decode step (at the cache size and sampling flags the timed generation
+    uses, so it compiles nothing again) and one step. Tokens 1 and 2 come out of the same engine step."""
+    start = time.perf_counter()
+    tokens = engine.stream(prompt_ids, params)
+    for count, _ in enumerate(tokens, start=1):
+        if count == 2:
+            break
+    tokens.close()  # cancels the rest
+    return time.perf_counter() - start
 
 
 def run(args) -> int:
@@ -98,6 +116,10 @@ def run(args) -> int:
     if args.max_tokens > room:
         raise ValueError(f"--max-tokens {args.max_tokens}: the prompt has {len(prompt_ids)} tokens and the model's "
                          f"context is {engine.max_context}, so at most {room} tokens can be generated")
+    warm_up_seconds = None
+    if args.compile and args.max_tokens >= 2:  # one token comes from the prefill alone: no decode step to compile
+        print("[compiling the decode step: a warm-up generation...]", file=sys.stderr, flush=True)
+        warm_up_seconds = warm_up(engine, prompt_ids, params)
     start = time.perf_counter()
     token_times = []
     for _, delta in engine.stream_text(prompt_ids, params):
@@ -106,5 +128,10 @@ def run(args) -> int:
         sys.stdout.flush()
     elapsed = time.perf_counter() - start
     sys.stdout.write("\n")
-    print(summary(len(token_times), elapsed, token_times, args.compile, engine.last_stats), file=sys.stderr)
+    compile_seconds = None
+    if warm_up_seconds is not None:
+        # the warm-up less what its two tokens take compiled: the compile alone
+        compiled_two = token_times[min(1, len(token_times) - 1)] - start if token_times else 0.0
+        compile_seconds = max(warm_up_seconds - compiled_two, 0.0)
+    print(summary(len(token_times), elapsed, compile_seconds, engine.last_stats), file=sys.stderr)
     return 0

@@ -3,7 +3,8 @@
 Reads what a run writes (run_config.json, metrics.jsonl, metrics.rolled_back.jsonl, events.jsonl; see
 hybridtron.train.monitor) and draws, as PNGs embedded in the page (matplotlib, Agg backend, no files beside it):
 
-    losses           loss, lm_loss, each MTP depth, validation loss; steps a rollback abandoned drawn faint
+    losses           loss, lm_loss, each MTP depth (each step faint, a centered moving average over it), validation
+                     loss; steps a rollback abandoned drawn as dots
     gradient norms   global, the output layer (lm_head) and every layer's weight-gradient L2 norm (log scale)
     MaxVio heatmap   router x step (every backbone MoE layer and the MTP block's), colour scale from 1 (balanced)
                      to the bound E/K
@@ -13,6 +14,7 @@ hybridtron.train.monitor) and draws, as PNGs embedded in the page (matplotlib, A
     events           every detection and action on a step axis
 
 It works on a run that is still going: a half-written last line is ignored, and missing signals become notes.
+Legends sit beside or below their axes, never over the curves.
 Routers are named as the metrics name them (`maxvio/3`: backbone layer 3, `maxvio/mtp.1`: the MTP block's layer 1)
 and labelled "layer 3" and "MTP layer 1".
 """
@@ -226,7 +228,7 @@ def _event_lines(axes, data: RunData) -> None:
             axes.axvline(event["step"], color=color, alpha=0.35, linewidth=1)
 
 
-def _finish_log_plot(axes, data: RunData, empty_note: str, ylabel: str, legend_loc: str, legend_columns: int) -> None:
+def _finish_log_plot(axes, data: RunData, empty_note: str, ylabel: str) -> None:
     """A log-scale line plot over steps with the run's events marked, or `empty_note` when nothing was drawn."""
     if not axes.lines:
         _note(axes, empty_note)
@@ -235,7 +237,22 @@ def _finish_log_plot(axes, data: RunData, empty_note: str, ylabel: str, legend_l
     _event_lines(axes, data)
     axes.set_xlabel("step")
     axes.set_ylabel(ylabel)
-    axes.legend(loc=legend_loc, fontsize=7, ncol=legend_columns)
+    _legend_beside(axes)
+
+
+LEGEND_ROWS = 12  # entries per legend column beside a 3.6-inch plot
+
+
+def _legend_beside(axes, **options) -> None:
+    """The legend to the right of the axes, outside the data (the figure's tight layout makes room for it)."""
+    entries = len(options.get("handles") or axes.get_legend_handles_labels()[0])
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=7,
+                ncol=max(1, math.ceil(entries / LEGEND_ROWS)), **options)
+
+
+def _legend_below(axes, columns: int = 2) -> None:
+    """The legend under the axes' step label, for the small panels of a grid, where beside would squeeze them."""
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.28), borderaxespad=0, fontsize=7, ncol=columns)
 
 
 def _note(axes, text: str) -> None:
@@ -244,13 +261,42 @@ def _note(axes, text: str) -> None:
     axes.set_yticks([])
 
 
+def centered_mean(values: list[float], window: int) -> list[float]:
+    """Each value replaced by the mean of the finite values in a window of `window` values centred on it; near the
+    ends the window shrinks to stay centred, so the curve neither lags nor leaves the data at the first and last
+    step. NaN where a window holds no finite value."""
+    sums, counts = [0.0], [0]
+    for value in values:
+        finite = math.isfinite(value)
+        sums.append(sums[-1] + (value if finite else 0.0))
+        counts.append(counts[-1] + finite)
+    half, last = window // 2, len(values) - 1
+    means = []
+    for index in range(len(values)):
+        reach = min(half, index, last - index)
+        count = counts[index + reach + 1] - counts[index - reach]
+        means.append((sums[index + reach + 1] - sums[index - reach]) / count if count else math.nan)
+    return means
+
+
+def loss_smoothing_window(points: int) -> int:
+    """Logged steps the loss panel averages: about a twelfth of the run, odd (so centred), 1 (none) below 12 steps.
+    Batches drawn bucket by bucket swing the per-step loss by 2-3 nats; a twelfth of the run shows the trend."""
+    return max(3, round(points / 12)) // 2 * 2 + 1 if points >= 12 else 1
+
+
 def plot_losses(data: RunData) -> str:
     plt, figure, axes = _figure(3.6)
     keys = [k for k in ("loss", "lm_loss") if data.steps(k)[0]] + data.keys("mtp_loss_")
+    window = loss_smoothing_window(max((len(data.steps(k)[0]) for k in keys), default=0))
     for index, key in enumerate(keys):
         color = f"C{index}"
         steps, values = data.steps(key)
-        axes.plot(steps, values, label=key, color=color, linewidth=1)
+        if window > 1:
+            axes.plot(steps, values, color=color, linewidth=0.6, alpha=0.25)
+            axes.plot(steps, centered_mean(values, window), label=key, color=color, linewidth=1.4)
+        else:
+            axes.plot(steps, values, label=key, color=color, linewidth=1)
         old_steps, old_values = data.steps(key, data.rolled_back)
         if old_steps:
             axes.plot(old_steps, old_values, ".", color=color, alpha=0.3, markersize=3)
@@ -263,7 +309,8 @@ def plot_losses(data: RunData) -> str:
         _event_lines(axes, data)
         axes.set_xlabel("step")
         axes.set_ylabel("cross-entropy (nats)")
-        axes.legend(loc="upper right", fontsize=8, ncol=3)
+        title = f"lines: centered mean\nof {window} steps;\nfaint: each step" if window > 1 and keys else None
+        _legend_beside(axes, title=title, title_fontsize=7)
         if data.rolled_back:
             axes.set_title("dots: steps abandoned by a rollback", fontsize=9)
     return _png(plt, figure)
@@ -280,7 +327,7 @@ def plot_grad_norms(data: RunData) -> str:
         steps, values = data.steps(key)
         if steps:
             axes.plot(steps, values, color=color, linewidth=1.4, label=key)
-    _finish_log_plot(axes, data, "no gradient norms logged yet", "L2 norm (before clipping)", "upper right", 4)
+    _finish_log_plot(axes, data, "no gradient norms logged yet", "L2 norm (before clipping)")
     return _png(plt, figure)
 
 
@@ -315,8 +362,7 @@ def plot_residual(data: RunData) -> str:
         steps, values = data.steps(key)
         axes.plot(steps, values, ".-", linewidth=1, markersize=3, label=f"layer {key.split('/')[1]}",
                   color=plt.cm.plasma(index / max(len(keys) - 1, 1)))
-    _finish_log_plot(axes, data, "no residual RMS sampled yet (monitor.residual_every)", "residual stream RMS",
-                     "upper left", 6)
+    _finish_log_plot(axes, data, "no residual RMS sampled yet (monitor.residual_every)", "residual stream RMS")
     return _png(plt, figure)
 
 
@@ -347,7 +393,7 @@ def plot_balance_and_updates(data: RunData) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    figure, (bias_axes, ratio_axes, lr_axes) = plt.subplots(1, 3, figsize=(10, 3), dpi=90)
+    figure, (bias_axes, ratio_axes, lr_axes) = plt.subplots(1, 3, figsize=(10, 3.6), dpi=90)
     for key in data.keys("router_bias_spread/"):
         bias_axes.plot(*data.steps(key), linewidth=1, label=router_label(key))
     bias_axes.set_title("router bias spread (max - min)", fontsize=9)
@@ -362,7 +408,7 @@ def plot_balance_and_updates(data: RunData) -> str:
         if axes.lines:
             axes.set_xlabel("step")
             if axes is not lr_axes:
-                axes.legend(fontsize=7)
+                _legend_below(axes)
         else:
             _note(axes, "not logged yet")
     if ratio_axes.lines:
@@ -387,9 +433,9 @@ def plot_events(data: RunData) -> str:
         axes.set_xlabel("step")
         axes.grid(axis="x", alpha=0.3)
         seen = sorted({e.get("action") for e in data.events})
-        axes.legend(handles=[axes.scatter([], [], color=ACTION_STYLE.get(a, ("#444444", "o"))[0],
-                                          marker=ACTION_STYLE.get(a, ("#444444", "o"))[1], label=a) for a in seen],
-                    loc="upper left", fontsize=7, ncol=len(seen))
+        _legend_beside(axes, handles=[axes.scatter([], [], color=ACTION_STYLE.get(a, ("#444444", "o"))[0],
+                                                   marker=ACTION_STYLE.get(a, ("#444444", "o"))[1], label=a)
+                                      for a in seen])
     return _png(plt, figure)
 
 
@@ -399,7 +445,7 @@ def plot_rl(data: RunData) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    figure, grid = plt.subplots(2, 2, figsize=(10, 6), dpi=90)
+    figure, grid = plt.subplots(2, 2, figsize=(10, 7.5), dpi=90)
     (rewards, lengths), (policy, speed) = grid
     panels = (
         (rewards, "rewards (train rollouts) and held-out pass@1", ("reward_mean", "reward_std", "reward_one_share",
@@ -418,7 +464,7 @@ def plot_rl(data: RunData) -> str:
         axes.set_title(title, fontsize=9)
         if axes.lines:
             axes.set_xlabel("step")
-            axes.legend(fontsize=7)
+            _legend_below(axes, columns=3)
             _event_lines(axes, data)
         else:
             _note(axes, "not logged")
@@ -450,30 +496,30 @@ RL_PLOTS = (  # drawn for runs that log rollouts (hybridtron grpo)
 
 # =================================================================================================== page
 def render_html(data: RunData) -> str:
-    figures = []
-    for title, caption, plot in PLOTS + (RL_PLOTS if data.steps("reward_mean")[0] else ()):
-        figures.append(f'<figure><h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" '
-                       f'src="data:image/png;base64,{plot(data)}"><figcaption>{html.escape(caption)}</figcaption>'
-                       f"</figure>")
     rows = "".join(
         f"<tr><td>{html.escape(str(e.get('step')))}</td><td>{html.escape(str(e.get('detector')))}</td>"
         f"<td>{html.escape(str(e.get('action')))}</td><td>{html.escape(str(e.get('message', '')))}</td></tr>"
         for e in data.events)
     table = (f"<table><tr><th>step</th><th>detector</th><th>action</th><th>message</th></tr>{rows}</table>"
              if rows else "<p>No events.</p>")
+    figures = []
+    for title, caption, plot in PLOTS + (RL_PLOTS if data.steps("reward_mean")[0] else ()):
+        below = table if plot is plot_events else ""  # the event log under its plot, under the one heading
+        figures.append(f'<figure><h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" '
+                       f'src="data:image/png;base64,{plot(data)}"><figcaption>{html.escape(caption)}</figcaption>'
+                       f"{below}</figure>")
+    # the summary wraps its long lines (paths, event messages) instead of running past the page's edge
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>hybridtron report: {html.escape(data.run_dir.name)}</title>
 <style>
-body {{ font-family: sans-serif; max-width: 960px; margin: 1em auto; color: #222; }}
-pre {{ background: #f4f4f4; padding: 0.8em; overflow-x: auto; }}
+body {{ font-family: sans-serif; max-width: 960px; margin: 1em auto; padding: 0 8px; color: #222; }}
+pre {{ background: #f4f4f4; padding: 0.8em; white-space: pre-wrap; overflow-wrap: anywhere; }}
 figure {{ margin: 1.2em 0; }} img {{ max-width: 100%; }} h2 {{ font-size: 1.1em; margin-bottom: 0.2em; }}
-figcaption {{ font-size: 0.85em; color: #555; }}
+figcaption {{ font-size: 0.85em; color: #555; margin-bottom: 0.6em; }}
 table {{ border-collapse: collapse; font-size: 0.85em; }} td, th {{ border: 1px solid #ccc; padding: 2px 6px; }}
 </style></head><body>
 <h1>Stability report: {html.escape(str(data.run_dir))}</h1>
 <pre>{html.escape(summary(data))}</pre>
 {"".join(figures)}
-<h2>Events</h2>
-{table}
 </body></html>
 """

@@ -26,15 +26,20 @@ model or route, 503 (with Retry-After) when the engine's bounded queue (`--max-q
 runs past `--request-timeout` (it is cancelled), 500 if the model fails (the server keeps serving). A client that
 disconnects, streaming or not, frees its slot at the next step. Shutdown (SIGINT / SIGTERM) stops accepting
 connections, lets in-flight requests finish for `--shutdown-timeout` seconds, cancels the rest and stops the loop.
+The port is bound before the model loads (a port in use is an error at once); `--port 0` takes a free one, which
+the start line prints. An empty `--api-key` (what an unset shell variable expands to) is an error, never a server
+that silently requires no key.
 
 Layout: this module is the command (its imports stay light, so `--help` is fast); `protocol.py` the request models
-and their errors; `app.py` the FastAPI application (`create_app(engine)`). FastAPI and uvicorn are imported only
+and their errors; `app.py` the FastAPI application (`create_app(engine)`); `metrics.py` the counters behind
+`/metrics` and their Prometheus text. FastAPI and uvicorn are imported only
 when a server is built (`pip install 'hybridtron[serve]'`).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -65,12 +70,14 @@ def add_arguments(parser) -> None:
                              "required")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on; 0.0.0.0 for every interface (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="TCP port; 0 = a free one, printed at start (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: the checkpoint's directory name, or the run's)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /v1/ routes (401 without it; default: "
-                             f"${API_KEY_ENV} if set, else no authentication)")
+                             f"${API_KEY_ENV} if set, else no authentication). An empty key (an unset shell "
+                             f"variable expands to one) is an error: the server does not start")
     parser.add_argument("--no-speculative", action="store_true",
                         help="decode one token per forward instead of drafting with the MTP block")
     parser.add_argument("--draft-length", type=int, default=None,
@@ -98,6 +105,20 @@ def add_arguments(parser) -> None:
                         help="torch intra-op threads (default: torch's, one per core)")
 
 
+def required_api_key(args) -> str | None:
+    """The key /v1/ routes require: --api-key, else $HYBRIDTRON_API_KEY, else None (no authentication). An empty one
+    is an error: `--api-key "$KEY"` with KEY unset would otherwise serve everyone while the user believes a key is
+    required."""
+    for value, name in ((args.api_key, "--api-key"), (os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}")):
+        if value is None:
+            continue
+        if not value.strip():
+            raise ValueError(f"{name} is empty (an unset shell variable?): give the key clients must send, or leave "
+                             f"{name} out to serve without authentication")
+        return value
+    return None
+
+
 def _check(args) -> None:
     if args.draft_length is not None and args.draft_length < 1:
         raise ValueError(f"--draft-length must be >= 1, got {args.draft_length}")
@@ -118,8 +139,27 @@ def _check(args) -> None:
         raise FileNotFoundError(f"{args.model}: no such checkpoint directory")
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), before the model loads: a port in use fails in a second, not after the load,
+    and port 0 becomes the free port the system picked, which the start line prints."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({exc.strerror or exc})") from None
+    return sock
+
+
+def url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def run(args) -> int:
     _check(args)
+    key = required_api_key(args)
     try:
         require_serving_dependencies()
     except ImportError as exc:
@@ -130,17 +170,29 @@ def run(args) -> int:
 
     from hybridtron.infer.engine import load_engine
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    options = {name: getattr(args, name) for name in ("max_slots", "memory_budget_gib")
-               if getattr(args, name) is not None}
-    engine = load_engine(args.model, speculative=not args.no_speculative, draft_length=args.draft_length,
-                         compile=args.compile, max_queue=args.max_queue, **options)
-    if args.served_model_name is not None:
-        engine.model_name = args.served_model_name
-    app = create_app(engine, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                     request_timeout=args.request_timeout or None)
-    print(f"hybridtron serve: {engine.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    sock = listen(args.host, args.port)
+    try:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        options = {name: getattr(args, name) for name in ("max_slots", "memory_budget_gib")
+                   if getattr(args, name) is not None}
+        engine = load_engine(args.model, speculative=not args.no_speculative, draft_length=args.draft_length,
+                             compile=args.compile, max_queue=args.max_queue, **options)
+        if args.served_model_name is not None:
+            engine.model_name = args.served_model_name
+        app = create_app(engine, api_key=key, request_timeout=args.request_timeout or None)
+        port = sock.getsockname()[1]
+        access = "clients must send the API key" if key else "no API key: every client is served"
+        print(f"hybridtron serve: {engine.model_name} on {url(args.host, port)}/v1 ({access})", file=sys.stderr)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="info",
+                                               timeout_graceful_shutdown=args.shutdown_timeout))
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down for: the way to stop a server
+            pass
+    finally:
+        sock.close()
+    if not server.started:
+        print("hybridtron serve: error: the server did not start (uvicorn's log above says why)", file=sys.stderr)
+        return 1
     return 0

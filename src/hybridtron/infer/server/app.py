@@ -3,14 +3,13 @@
 
 # No `from __future__ import annotations`: FastAPI reads the route functions' annotations (Request) at runtime.
 import asyncio
-import collections
 import hmac
 import json
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Protocol, Sequence
 
 from fastapi import Depends, FastAPI, Request
@@ -21,12 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.scheduler import EngineError, EngineStats, QueueFull, RequestHandle, TokenEvent
 from hybridtron.infer.server import DEFAULT_REQUEST_TIMEOUT_S
+from hybridtron.infer.server.metrics import CountResponses, Metrics
 from hybridtron.infer.server.protocol import APIError, GenerationRequest, chat_request, completion_request
 from hybridtron.infer.text import SequenceText, TextStream
 
 log = logging.getLogger("hybridtron.serve")
-
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
 class Engine(Protocol):
@@ -122,87 +120,6 @@ class Vocabulary:
 
     def bytes(self, token_id: int) -> list[int]:
         return list(self.entry(token_id)[1])
-
-
-# ------------------------------------------------------------------------------------------ metrics
-@dataclass
-class Metrics:
-    """The server's counters (the engine's own come from `engine.stats()`)."""
-
-    responses: collections.Counter = field(default_factory=collections.Counter)  # (route, status) -> count
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    requests_finished: collections.Counter = field(default_factory=collections.Counter)  # finish_reason -> count
-    request_seconds: float = 0.0
-    requests_timed: int = 0
-    first_token_seconds: float = 0.0
-    first_tokens: int = 0
-    timeouts: int = 0
-    rejected_queue_full: int = 0
-
-    def render(self, stats: EngineStats) -> str:
-        """Prometheus' text format."""
-        lines = []
-
-        def metric(name: str, kind: str, help_text: str, samples) -> None:
-            lines.extend([f"# HELP hybridtron_{name} {help_text}", f"# TYPE hybridtron_{name} {kind}"])
-            for labels, value in samples:
-                label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-                lines.append(f"hybridtron_{name}{label} {value}")
-
-        metric("http_responses_total", "counter", "HTTP responses by route and status",
-               [({"route": route, "status": status}, count)
-                for (route, status), count in sorted(self.responses.items())])
-        metric("requests_finished_total", "counter", "completions (choices) finished, by finish reason",
-               [({"finish_reason": reason}, count) for reason, count in sorted(self.requests_finished.items())])
-        metric("prompt_tokens_total", "counter", "prompt tokens of served requests", [({}, self.prompt_tokens)])
-        metric("generation_tokens_total", "counter", "tokens generated for served requests",
-               [({}, self.completion_tokens)])
-        metric("request_seconds", "summary", "request latency, from arrival to the last token",
-               [({"quantity": "sum"}, f"{self.request_seconds:.6f}"), ({"quantity": "count"}, self.requests_timed)])
-        metric("time_to_first_token_seconds", "summary", "from a request's arrival to its first token",
-               [({"quantity": "sum"}, f"{self.first_token_seconds:.6f}"), ({"quantity": "count"}, self.first_tokens)])
-        metric("request_timeouts_total", "counter", "requests cancelled by --request-timeout", [({}, self.timeouts)])
-        metric("queue_full_total", "counter", "requests refused with 503: the engine's queue was full",
-               [({}, self.rejected_queue_full)])
-        acceptance = stats.mean_acceptance_length
-        for name, help_text, value in (
-            ("engine_requests_served_total", "sequences the engine finished, for any reason", stats.requests_served),
-            ("engine_requests_running", "sequences decoding in a slot or being prefilled", stats.requests_running),
-            ("engine_queue_length", "sequences waiting for a slot", stats.queue_length),
-            ("engine_slots", "sequences that can decode at once", stats.slots),
-            ("engine_slots_used", "slots holding a sequence", stats.slots_used),
-            ("engine_batch_occupancy", "slots used / slots", f"{stats.batch_occupancy:.4f}"),
-            ("engine_tokens_per_second", "generated tokens per second, last 10 s", f"{stats.tokens_per_second:.2f}"),
-            ("engine_mean_acceptance_length", "tokens per speculative verification step, last 10 s (NaN: none)",
-             "NaN" if acceptance is None else f"{acceptance:.4f}"),
-            ("engine_draft_length", "MTP drafts per step in the last step (0: plain decoding)", stats.draft_length),
-            ("engine_cache_bytes", "KV cache and SSM state memory allocated", stats.cache_bytes),
-            ("engine_prompt_tokens_total", "prompt tokens the engine prefilled", stats.prompt_tokens),
-            ("engine_generated_tokens_total", "tokens the engine generated", stats.generated_tokens),
-        ):
-            metric(name, "counter" if name.endswith("_total") else "gauge", help_text, [({}, value)])
-        return "\n".join(lines) + "\n"
-
-
-class _CountResponses:
-    """ASGI middleware: counts every response by route and status (for /metrics)."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.metrics.responses[route, message["status"]] += 1
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
 
 
 # ------------------------------------------------------------------------------------------ one request
@@ -427,7 +344,7 @@ def create_app(engine: Engine, *, api_key: str | None = None,
     app = FastAPI(title="hybridtron", summary="OpenAI-compatible API of a hybridtron model", lifespan=lifespan)
     app.state.engine = engine
     app.state.metrics = metrics
-    app.add_middleware(_CountResponses, metrics=metrics)
+    app.add_middleware(CountResponses, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(_request, exc: APIError):
