@@ -7,13 +7,14 @@ and trained 60B tokens more on the same data; the relative train-loss gap
 
 was 0.27/0.28/0.25% over the first 5B tokens and 0.33/0.34/0.30% after 60B.
 
-Here each arm loads the DCP checkpoint (model, optimizer, LR schedule, data-loader position, RNG) into a fresh
-model with the Trainer's ``load_checkpoint``, converts it for its precision and trains ``--tokens`` more tokens
-with the run's own ``[train]`` settings, so every arm sees the same batches in the same order. The loss compared
-is the train loss of each step's batches as each arm computes it (the backbone's next-token CE, ``lm_loss``;
-the total with MTP is recorded as well).
+Here each arm loads the DCP checkpoint `--from` (model, optimizer, LR schedule, data-loader position, RNG) into a
+fresh model with the Trainer's `load_checkpoint`, converts it for its precision and trains `branch.tokens` more
+tokens (`--tokens`, rounded up to whole steps) with the forked run's own [model], [data] and [train] (from its
+run_config.json, fixed: a branch changes only the number formats) and the run's LR schedule, so every arm sees the
+same batches in the same order. The loss compared is the train loss of each step's batches as each arm computes
+it (the backbone's next-token CE, `lm_loss`; the total with MTP is recorded as well).
 
-Arms (``--arm``, repeatable; default ``as-trained``), against the reference ``bf16``:
+Arms (`--arm`, repeatable, or `branch.arms`; default `as-trained`), against the reference `bf16`:
 
     bf16                       the reference: every GEMM in BF16 (operands rounded to bfloat16, fp32
                                accumulation), router fp32; all else as in the quantized arms (fp32)
@@ -21,11 +22,22 @@ Arms (``--arm``, repeatable; default ``as-trained``), against the reference ``bf
     RECIPE[:POLICY][:no-sr][:no-rht][:no-2d]
                                e.g. nvfp4:ultra, nvfp4:all, nvfp4:ultra:no-sr, mxfp8:ultra
 
-The output layer's gradient accumulation follows the run's ``train.grad_accum_dtype`` in every arm. Stochastic
-rounding streams restart from ``train.seed`` in each arm (they are not part of a checkpoint), so the arms differ
-only in their number formats. Each gap comes with a standard error from the means of 6 blocks of consecutive
-steps: two arms' gaps differ meaningfully only when the difference is several of those. Writes ``branch.json``
-(per-step losses and the gaps) and ``branch.png``.
+The output layer's gradient accumulation follows the run's `train.grad_accum_dtype` in every arm. The
+stochastic-rounding streams continue the checkpoint's where the forked run had them (so the as-trained arm continues
+the run exactly) and start from `train.seed` elsewhere. Each gap comes with a standard error from the means of 8
+blocks of consecutive steps (a window shorter than 16 steps has none: the summary says how long a window needs);
+two arms' gaps differ meaningfully only when the difference is several of those.
+
+The branch directory (`--out`, default <run>/branches/<step_N>_<tokens>) follows the run rules of every training
+command (hybridtron.train.run):
+
+    run_config.json      the checkpoint, the forked run's [model], [data], [train], and [branch]
+    arms/<arm>/          each arm a run of its own: checkpoints/ (its latest only) and metrics.jsonl
+    branch.json          per-step losses and the gaps, written once every arm has trained: the branch is complete
+    branch.png           the losses and the gaps
+
+Ctrl-C or SIGTERM stops the arm in training after its step with a checkpoint; `--resume` skips the arms already
+trained and continues that one from its checkpoint, to the same numbers as an uninterrupted branch.
 """
 
 from __future__ import annotations
@@ -34,24 +46,47 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-from hybridtron.numerics.policy import POLICIES, RECIPES
-from hybridtron.train.hooks import Hook
+import numpy as np
+import torch
+
+from hybridtron.checkpoint.dcp import COMPLETE, CheckpointManager, step_of
+from hybridtron.config import ModelConfig
+from hybridtron.data import DataConfig, build_data
+from hybridtron.errors import RunInterrupted
+from hybridtron.files import METRICS_FILE, RUN_CONFIG, atomic_write_json
+from hybridtron.model.lm import HybridLM
+from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
+from hybridtron.numerics.policy import POLICIES, RECIPES, apply_precision
+from hybridtron.train.config import RunConfig, SectionedConfig, TrainConfig, parse_override, section_values
+from hybridtron.train.hooks import Hook, MetricsLogger
+from hybridtron.train.loop import Trainer
+from hybridtron.train.objectives import LoaderBatches, PretrainObjective
+from hybridtron.train.run import (BuiltRun, Input, RunCommand, has_checkpoints, refuse_torchrun, resume_trainer,
+                                  stop_on_signals)
 
 REFERENCE = "bf16"
-GAP_BLOCKS = 6  # blocks of consecutive steps behind a gap's standard error
 AS_TRAINED = "as-trained"
+GAP_BLOCKS = 8  # blocks of consecutive steps behind a gap's standard error
+BLOCK_STEPS = 2  # the fewest steps a block holds: a one-step block is a single step, correlated with its neighbours
+REPORT_FILE = "branch.json"  # written last: its presence marks the branch complete
+PLOT_FILE = "branch.png"
+ARMS_DIR = "arms"
 # --arm flag -> (the Arm / QuantRecipe field it turns off, the TrainConfig field of a run)
-_SWITCHES = {"no-sr": ("stochastic_rounding", "nvfp4_stochastic_rounding"), "no-rht": ("rht", "nvfp4_rht"),
-             "no-2d": ("two_d_weights", "nvfp4_2d_weights")}
+SWITCHES = {"no-sr": ("stochastic_rounding", "nvfp4_stochastic_rounding"), "no-rht": ("rht", "nvfp4_rht"),
+            "no-2d": ("two_d_weights", "nvfp4_2d_weights")}
+FORKED_SECTIONS = ("model", "data", "train")  # the forked run's, fixed: every arm continues them as trained
 
 
+# ------------------------------------------------------------------------------------------------ the arms
 @dataclass(frozen=True)
 class Arm:
-    """One branch: ``recipe`` is a precision recipe, "fp32" (no conversion) or "bf16-autocast" (the run's
+    """One branch: `recipe` is a precision recipe, "fp32" (no conversion) or "bf16-autocast" (the run's
     train.precision=bf16); the NVFP4 switches apply to nvfp4 only."""
 
     label: str
@@ -61,17 +96,25 @@ class Arm:
     rht: bool = True
     two_d_weights: bool = True
 
+    @property
+    def directory(self) -> str:
+        """The arm's run directory under OUT/arms/: its label in characters every file system takes."""
+        return re.sub(r"[^A-Za-z0-9.+-]+", "_", self.label).strip("_")
 
-def parse_arm(spec: str, train=None) -> Arm:
-    """``as-trained`` (needs the run's TrainConfig) or ``RECIPE[:POLICY][:no-sr][:no-rht][:no-2d]``."""
+
+REFERENCE_ARM = Arm(REFERENCE, "bf16", "all")
+
+
+def parse_arm(spec: str, train: TrainConfig | None = None) -> Arm:
+    """`as-trained` (needs the run's TrainConfig) or `RECIPE[:POLICY][:no-sr][:no-rht][:no-2d]`."""
     if spec == AS_TRAINED:
         if train is None:
             raise ValueError("--arm as-trained needs the run's train config")
         if train.precision in ("fp32", "bf16"):
             return Arm(f"{AS_TRAINED} ({train.precision})", "fp32" if train.precision == "fp32" else "bf16-autocast")
-        switches = {field: getattr(train, train_field) for field, train_field in _SWITCHES.values()}
+        switches = {field: getattr(train, train_field) for field, train_field in SWITCHES.values()}
         label = f"{train.precision}:{train.precision_policy}" + "".join(
-            f":{flag}" for flag, (field, _) in _SWITCHES.items() if not switches[field])
+            f":{flag}" for flag, (field, _) in SWITCHES.items() if not switches[field])
         return Arm(label, train.precision, train.precision_policy, **switches)
     recipe, *rest = spec.split(":")
     if recipe not in RECIPES:
@@ -80,20 +123,18 @@ def parse_arm(spec: str, train=None) -> Arm:
     for part in rest:
         if part in POLICIES:
             policy = part
-        elif part in _SWITCHES:
+        elif part in SWITCHES:
             if recipe != "nvfp4":
                 raise ValueError(f"--arm {spec!r}: {part} is an nvfp4 switch, the recipe is {recipe}")
-            switches[_SWITCHES[part][0]] = False
+            switches[SWITCHES[part][0]] = False
         else:
             raise ValueError(f"--arm {spec!r}: unknown part {part!r}; expected a policy ({', '.join(POLICIES)}) "
-                             f"or {', '.join(_SWITCHES)}")
+                             f"or {', '.join(SWITCHES)}")
     return Arm(spec, recipe, policy, **switches)
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
     """(checkpoint dir, run dir) for runs/X/checkpoints/step_N; ValueError/FileNotFoundError naming the path."""
-    from hybridtron.checkpoint.dcp import COMPLETE
-
     checkpoint = Path(path)
     if not checkpoint.is_dir():
         raise FileNotFoundError(f"--from {checkpoint}: no such checkpoint directory")
@@ -101,132 +142,83 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
         raise ValueError(f"--from {checkpoint}: not a complete DCP checkpoint (expected runs/X/checkpoints/step_N "
                          f"holding a {COMPLETE} marker)")
     run_dir = checkpoint.parent.parent
-    if not (run_dir / "run_config.json").is_file():
-        raise FileNotFoundError(f"{run_dir / 'run_config.json'}: the checkpoint's run has no run config "
+    if not (run_dir / RUN_CONFIG).is_file():
+        raise FileNotFoundError(f"{run_dir / RUN_CONFIG}: the checkpoint's run has no run config "
                                 f"(expected the checkpoint in <run>/checkpoints/)")
     return checkpoint, run_dir
 
 
-class _LossLog(Hook):
-    """Keeps each step's losses."""
+# ------------------------------------------------------------------------------------------ configuration
+@dataclass(frozen=True, kw_only=True)
+class BranchConfig:
+    tokens: int = 0  # tokens each arm trains from the checkpoint, rounded up to whole steps (required: --tokens N)
+    arms: tuple[str, ...] = (AS_TRAINED,)  # compared with the bf16 reference (--arm): as-trained or
+    #   RECIPE[:POLICY][:no-sr][:no-rht][:no-2d], e.g. nvfp4:all, nvfp4:ultra:no-sr, mxfp8
 
-    def __init__(self):
-        self.rows: list[dict] = []
-
-    def on_step_end(self, trainer, stats, decision):
-        self.rows.append({"step": stats.step, **stats.losses, "grad_norm": stats.grad_norm})
-
-
-def run_arm(arm: Arm, checkpoint: Path, run_config, loader, steps: int, progress=None) -> list[dict]:
-    """Load ``checkpoint`` into a fresh model converted for ``arm``; train ``steps`` steps; per-step losses."""
-    from hybridtron.model.lm import HybridLM
-    from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
-    from hybridtron.numerics.policy import apply_precision
-    from hybridtron.train.loop import Trainer
-    from hybridtron.train.objectives import LoaderBatches, PretrainObjective
-
-    train = run_config.train
-    model_config = run_config.model
-    if train.mtp_loss_weight is not None:
-        model_config = model_config.replace(mtp_loss_weight=train.mtp_loss_weight)
-    model = HybridLM(model_config, init=False)
-    if arm.recipe in RECIPES:
-        apply_precision(model, arm.recipe, arm.policy, stochastic_rounding=arm.stochastic_rounding, rht=arm.rht,
-                        two_d_weights=arm.two_d_weights, seed=train.seed)
-    apply_output_grad_accumulation(model, train.grad_accum_dtype)
-    arm_train = dataclasses.replace(train, precision="bf16" if arm.recipe == "bf16-autocast" else "fp32")
-    log = _LossLog()
-    hooks = [log] + ([progress] if progress is not None else [])
-    # no checkpoint manager: the arm loads the fork point and never saves
-    trainer = Trainer(model, PretrainObjective(), LoaderBatches(loader, train.grad_accum), arm_train, None,
-                      hooks=hooks)
-    trainer.load_checkpoint(checkpoint)
-    trainer.train(until=trainer.step + steps)
-    return log.rows
+    # The window and the arms are the experiment: a resumed branch finishes the one it began (another window or
+    # other arms are a new branch, in another --out)
+    RESUMABLE: ClassVar = ()
 
 
-def relative_gap(losses: list[float], reference: list[float]) -> list[float]:
-    return [(q - r) / r for q, r in zip(losses, reference)]
+@dataclass(frozen=True, kw_only=True)
+class BranchRunConfig(SectionedConfig):
+    """`hybridtron branch`'s configuration: the checkpoint it forks (--from), the forked run's [model], [data] and
+    [train] as that run saved them, and [branch], the one section a user sets (`sections`)."""
+
+    checkpoint: str  # the DCP checkpoint every arm starts from: runs/X/checkpoints/step_N
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    branch: BranchConfig = field(default_factory=BranchConfig)
+
+    @classmethod
+    def forking(cls, checkpoint: str | Path, branch: BranchConfig | None = None) -> BranchRunConfig:
+        """A branch of `checkpoint`, with [model], [data] and [train] from its run's run_config.json."""
+        checkpoint, run_dir = resolve_checkpoint(checkpoint)
+        forked = RunConfig.load(run_dir / RUN_CONFIG)
+        return cls(checkpoint=str(checkpoint), model=forked.model, data=forked.data, train=forked.train,
+                   branch=branch or BranchConfig())
+
+    def sections(self):
+        return {"branch": self.branch}  # the forked run's sections are not settable: not sections here
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), **{name: section_values(getattr(self, name)) for name in ("data", "train")}}
+
+    def command_line(self) -> str:
+        return (f"hybridtron branch --from {self.checkpoint}  ([model], [data] and [train] are that run's, "
+                f"{Path(self.checkpoint).parent.parent / RUN_CONFIG})")
+
+    @property
+    def fork_step(self) -> int:
+        return step_of(Path(self.checkpoint))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.grad_accum * self.data.batch_size * self.data.seq_len
+
+    @property
+    def steps(self) -> int:
+        """The steps each arm trains: branch.tokens rounded up to whole steps."""
+        return math.ceil(self.branch.tokens / self.tokens_per_step)
+
+    def arms(self) -> list[Arm]:
+        """The reference, then each arm of branch.arms; a ValueError for a spec that does not parse or a repeat."""
+        arms = [REFERENCE_ARM] + [parse_arm(spec, self.train) for spec in self.branch.arms]
+        directories = [arm.directory for arm in arms]
+        if len(set(directories)) != len(directories):
+            raise ValueError(f"--arm: the arms {[arm.label for arm in arms]} repeat one (the {REFERENCE} reference "
+                             f"always runs)")
+        return arms
+
+    def default_out(self) -> Path:
+        """<run>/branches/<step_N>_<tokens>, the tokens rounded up to whole steps."""
+        return Path(self.checkpoint).parent.parent / "branches" / \
+            f"{Path(self.checkpoint).name}_{self.steps * self.tokens_per_step}"
 
 
-def block_standard_error(gaps: list[float], blocks: int = GAP_BLOCKS) -> float:
-    """Standard error of the window's mean gap from the means of `blocks` consecutive blocks of steps.
-
-    Consecutive steps' gaps are correlated (a branch that drifted ahead stays ahead for a while), so the spread of
-    single steps would understate the uncertainty; block means are close to independent. NaN under 2 blocks.
-    """
-    import numpy as np
-
-    if len(gaps) < 2 * blocks:
-        blocks = len(gaps) // 2
-    if blocks < 2:
-        return float("nan")
-    means = [float(np.mean(block)) for block in np.array_split(np.asarray(gaps, dtype=np.float64), blocks)]
-    return float(np.std(means, ddof=1) / math.sqrt(blocks))
-
-
-def gap_summary(gaps: list[float]) -> dict:
-    """Mean over the window (the report's number) with its standard error, and the first and second halves."""
-    half = len(gaps) // 2
-    mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
-    return {"mean": mean(gaps), "standard_error": block_standard_error(gaps), "first_half": mean(gaps[:half]),
-            "second_half": mean(gaps[half:])}
-
-
-def branch(checkpoint: str | Path, tokens: int, arms: list[str] = (AS_TRAINED,), out: str | Path | None = None,
-           quiet: bool = False) -> dict:
-    """Run the reference and each arm from ``checkpoint`` for ``tokens`` tokens; write branch.json/.png to out."""
-    import torch
-
-    from hybridtron.data import build_data
-    from hybridtron.train.config import RunConfig
-
-    checkpoint, run_dir = resolve_checkpoint(checkpoint)
-    if tokens <= 0:
-        raise ValueError(f"--tokens must be positive, got {tokens}")
-    run_config = RunConfig.load(run_dir / "run_config.json")
-    train, data_config = run_config.train, run_config.data
-    tokens_per_step = train.grad_accum * data_config.batch_size * data_config.seq_len
-    steps = math.ceil(tokens / tokens_per_step)
-    parsed = [parse_arm(spec, train) for spec in arms]
-    labels = [REFERENCE] + [arm.label for arm in parsed]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"--arm: the arms {labels} repeat one (the {REFERENCE} reference always runs)")
-    reference = Arm(REFERENCE, "bf16", "all")
-    out = Path(out) if out is not None else run_dir / "branches" / f"{checkpoint.name}_{steps * tokens_per_step}"
-    out.mkdir(parents=True, exist_ok=True)
-    if train.threads:
-        torch.set_num_threads(train.threads)
-
-    data = build_data(data_config, total_sequences=train.steps * train.grad_accum * data_config.batch_size)
-    results = {}
-    for arm in [reference, *parsed]:
-        if not quiet:
-            print(f"branch {arm.label}: {steps} steps ({steps * tokens_per_step:,} tokens) from {checkpoint}",
-                  file=sys.stderr)
-        results[arm.label] = run_arm(arm, checkpoint, run_config, data.train_loader, steps,
-                                     progress=None if quiet else _Progress(arm.label))
-    ref_loss = [row["lm_loss"] for row in results[reference.label]]
-    report = {
-        "checkpoint": str(checkpoint), "start_step": results[reference.label][0]["step"] - 1, "steps": steps,
-        "tokens": steps * tokens_per_step, "tokens_per_step": tokens_per_step, "reference": reference.label,
-        "loss": "lm_loss (next-token CE of the step's training batches)",
-        "arms": {label: rows for label, rows in results.items()},
-        "gaps": {},
-    }
-    for arm in parsed:
-        gaps = relative_gap([row["lm_loss"] for row in results[arm.label]], ref_loss)
-        total_gaps = relative_gap([row["loss"] for row in results[arm.label]],
-                                  [row["loss"] for row in results[reference.label]])
-        report["gaps"][arm.label] = {**gap_summary(gaps), "total_loss_mean": gap_summary(total_gaps)["mean"],
-                                     "per_step": gaps}
-    (out / "branch.json").write_text(json.dumps(report, indent=1))
-    plot_branch(report, out / "branch.png")
-    report["out"] = str(out)
-    return report
-
-
-class _Progress(Hook):
+# ---------------------------------------------------------------------------------------------- one arm
+class ArmProgress(Hook):
     """One updating line on stderr per arm."""
 
     def __init__(self, label: str):
@@ -239,8 +231,159 @@ class _Progress(Hook):
         print(file=sys.stderr)
 
 
+def build_arm(config: BranchRunConfig, arm: Arm, loader, out: Path, checkpoints: CheckpointManager, *,
+              quiet: bool) -> BuiltRun:
+    """The trainer of `arm`: the forked run's model converted for the arm's precision, its [train] settings (the
+    arm's autocast aside), every step's losses into out/metrics.jsonl. No monitor: a skip or rollback in one arm
+    would compare different trajectories. No HF export (tokenizer None). The weights come from a checkpoint load."""
+    train = config.train
+    model_config = config.model
+    if train.mtp_loss_weight is not None:
+        model_config = model_config.replace(mtp_loss_weight=train.mtp_loss_weight)
+    model = HybridLM(model_config, init=False)
+    if arm.recipe in RECIPES:
+        apply_precision(model, arm.recipe, arm.policy, stochastic_rounding=arm.stochastic_rounding, rht=arm.rht,
+                        two_d_weights=arm.two_d_weights, seed=train.seed)
+    apply_output_grad_accumulation(model, train.grad_accum_dtype)
+    arm_train = dataclasses.replace(train, precision="bf16" if arm.recipe == "bf16-autocast" else "fp32")
+    hooks = [MetricsLogger(out, every=1)] + ([] if quiet else [ArmProgress(arm.label)])
+    trainer = Trainer(model, PretrainObjective(), LoaderBatches(loader, train.grad_accum), arm_train, checkpoints,
+                      hooks=hooks)
+    return BuiltRun(trainer)
+
+
+def train_arm(config: BranchRunConfig, arm: Arm, loader, out: Path, *, quiet: bool) -> list[dict]:
+    """Train `arm` in its run directory `out` to the window's last step: from the fork point, or from its own latest
+    checkpoint where an interrupted branch left it (an arm already trained is only read back). Its per-step rows."""
+    end = config.fork_step + config.steps
+    # the latest checkpoint is all a resume needs: no monitor rolls an arm back
+    checkpoints = CheckpointManager(out / "checkpoints", keep=1)
+    try:
+        latest = checkpoints.latest()
+        if latest is None or step_of(latest) < end:
+            trainer = build_arm(config, arm, loader, out, checkpoints, quiet=quiet).trainer
+            if latest is None:
+                checkpoints.remove_incomplete()
+                trainer.load_checkpoint(Path(config.checkpoint))
+            else:
+                resume_trainer(trainer, checkpoints, latest, saved=None, config=None)  # nothing a resume changes
+            if not quiet:
+                print(f"branch {arm.label}: steps {trainer.step + 1}-{end} of {config.fork_step + 1}-{end} "
+                      f"({config.steps * config.tokens_per_step:,} tokens) from {config.checkpoint}", file=sys.stderr)
+            with stop_on_signals(trainer):
+                trainer.train(until=end)
+        elif not quiet:
+            print(f"branch {arm.label}: trained ({out})", file=sys.stderr)
+    finally:
+        checkpoints.close()
+    return arm_rows(out / METRICS_FILE, config.fork_step, end)
+
+
+def arm_rows(metrics: Path, fork_step: int, end: int) -> list[dict]:
+    """The window's steps from an arm's metrics.jsonl: the step, its losses, LR and gradient norm (not its timings,
+    which differ from run to run)."""
+    rows = []
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        if fork_step < record["step"] <= end:
+            rows.append({key: (float(value) if key != "step" else value) for key, value in record.items()
+                         if key in ("step", "lm_loss", "loss", "lr", "grad_norm") or key.startswith("mtp_loss_")})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ the gaps
+def relative_gap(losses: list[float], reference: list[float]) -> list[float]:
+    return [(q - r) / r for q, r in zip(losses, reference)]
+
+
+def block_standard_error(gaps: list[float]) -> float | None:
+    """Standard error of the window's mean gap from the means of GAP_BLOCKS blocks of consecutive steps; None for a
+    window shorter than GAP_BLOCKS blocks of BLOCK_STEPS steps.
+
+    Consecutive steps' gaps are correlated (a branch that drifted ahead stays ahead for a while), so the spread of
+    single steps would understate the uncertainty; block means are close to independent. Fewer blocks than 8 give a
+    standard error too uncertain itself to judge a gap by.
+    """
+    if len(gaps) < GAP_BLOCKS * BLOCK_STEPS:
+        return None
+    means = [float(np.mean(block)) for block in np.array_split(np.asarray(gaps, dtype=np.float64), GAP_BLOCKS)]
+    return float(np.std(means, ddof=1) / math.sqrt(GAP_BLOCKS))
+
+
+def gap_summary(gaps: list[float]) -> dict:
+    """Mean over the window (the report's number) with its standard error (None: too few steps), and the first and
+    second halves."""
+    half = len(gaps) // 2
+    mean = lambda values: sum(values) / len(values) if values else float("nan")  # noqa: E731
+    return {"mean": mean(gaps), "standard_error": block_standard_error(gaps), "first_half": mean(gaps[:half]),
+            "second_half": mean(gaps[half:])}
+
+
+def gap_report(config: BranchRunConfig, rows: dict[str, list[dict]]) -> dict:
+    """branch.json: each arm's per-step rows and each arm's gap to the reference."""
+    reference = rows[REFERENCE]
+    report = {
+        "checkpoint": config.checkpoint, "start_step": config.fork_step, "steps": config.steps,
+        "tokens": config.steps * config.tokens_per_step, "tokens_per_step": config.tokens_per_step,
+        "reference": REFERENCE, "loss": "lm_loss (next-token CE of the step's training batches)",
+        "arms": rows, "gaps": {},
+    }
+    for label, steps in rows.items():
+        if label == REFERENCE:
+            continue
+        gaps = relative_gap([row["lm_loss"] for row in steps], [row["lm_loss"] for row in reference])
+        total_gaps = relative_gap([row["loss"] for row in steps], [row["loss"] for row in reference])
+        report["gaps"][label] = {**gap_summary(gaps), "total_loss_mean": gap_summary(total_gaps)["mean"],
+                                 "per_step": gaps}
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- the branch
+def run_branch(config: BranchRunConfig, out: Path, *, resume: bool = False, quiet: bool = False) -> dict:
+    """Train the reference and each arm of `config` in `out` (module docstring) and write branch.json and
+    branch.png; the report. A branch already complete in `out` is read back (and says so); one begun and not
+    finished is continued only with `resume`."""
+    arms = config.arms()
+    if (out / RUN_CONFIG).is_file():
+        try:
+            BranchRunConfig.load(out / RUN_CONFIG)
+        except ValueError:
+            raise ValueError(f"{out}: holds another command's run ({out / RUN_CONFIG} is not a branch's); choose "
+                             f"another --out") from None
+    if (out / REPORT_FILE).is_file():
+        print(f"{out}: this branch is complete; nothing to do (another window or other arms: another --out)",
+              file=sys.stderr)
+        return json.loads((out / REPORT_FILE).read_text())
+    if not resume and any(has_checkpoints(out / ARMS_DIR / arm.directory / "checkpoints") for arm in arms):
+        raise ValueError(f"{out}: holds an unfinished branch (arms in {out / ARMS_DIR}); pass --resume to continue "
+                         f"it, or choose another --out for a new branch")
+    if not all(has_checkpoints(out / ARMS_DIR / arm.directory / "checkpoints") for arm in arms):
+        resolve_checkpoint(config.checkpoint)  # an arm yet to start loads the fork point: it must still be there
+    end, last = config.fork_step + config.steps, config.train.steps
+    if end > last:  # the schedule of the forked run ends there: past it the LR stays at its floor
+        print(f"warning: the window ends at step {end}, past the forked run's last step {last} (train.steps): its "
+              f"last {end - last} steps train at the LR's floor {config.train.lr * config.train.min_lr_ratio:g}",
+              file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    config.save(out / RUN_CONFIG)
+    if config.train.threads:
+        torch.set_num_threads(config.train.threads)
+    data = build_data(config.data, total_sequences=last * config.train.grad_accum * config.data.batch_size)
+    rows = {}
+    try:
+        for arm in arms:  # each arm reloads the fork point, loader position included: the same batches in order
+            rows[arm.label] = train_arm(config, arm, data.train_loader, out / ARMS_DIR / arm.directory, quiet=quiet)
+    except RunInterrupted as stopped:
+        stopped.resume_command = f"hybridtron branch --out {out} --resume"
+        raise
+    report = gap_report(config, rows)
+    plot_branch(report, out / PLOT_FILE)
+    atomic_write_json(out / REPORT_FILE, report)
+    return report
+
+
 def plot_branch(report: dict, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is optional, and only the plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -258,8 +401,9 @@ def plot_branch(report: dict, path: Path) -> None:
     for label, gap in report["gaps"].items():
         rows = report["arms"][label]
         x = [(row["step"] - report["start_step"]) * tokens_per_step for row in rows]
+        error = f" ± {100 * gap['standard_error']:.2f}%" if gap["standard_error"] is not None else ""
         bottom.plot(x, [100 * g for g in gap["per_step"]], linewidth=1, color=colors[label],
-                    label=f"{label}: mean {100 * gap['mean']:.2f}% ± {100 * gap['standard_error']:.2f}%")
+                    label=f"{label}: mean {100 * gap['mean']:.2f}%{error}")
         bottom.axhline(100 * gap["mean"], color=colors[label], linestyle="--", linewidth=1)
     bottom.axhline(0, color="black", linewidth=0.5)
     bottom.set_ylabel(f"relative gap to {report['reference']} (%)")
@@ -270,32 +414,115 @@ def plot_branch(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def format_report(report: dict) -> str:
-    lines = [f"{report['steps']} steps ({report['tokens']:,} tokens) from step {report['start_step']}; "
-             f"relative train-loss gap to {report['reference']} (mean over the window):", "",
+def format_report(report: dict, out: Path) -> str:
+    """The closing summary: the gap table, a warning where the window is too short for a standard error, and
+    where the outputs are."""
+    percent = lambda value: "n/a" if value is None else f"{100 * value:.3f}%"  # noqa: E731
+    title = (f"{report['steps']} steps ({report['tokens']:,} tokens) from step {report['start_step']}; "
+             f"relative train-loss gap to {report['reference']} (mean over the window):")
+    lines = [title, "",
              "| arm | gap (mean) | standard error | first half | second half | gap of total loss (with MTP) |",
              "|---|---|---|---|---|---|"]
     for label, gap in report["gaps"].items():
-        lines.append(f"| {label} | {100 * gap['mean']:.3f}% | {100 * gap['standard_error']:.3f}% | "
-                     f"{100 * gap['first_half']:.3f}% | "
-                     f"{100 * gap['second_half']:.3f}% | {100 * gap['total_loss_mean']:.3f}% |")
-    lines += ["", f"plot and numbers: {report['out']}/branch.png, branch.json"]
+        lines.append(f"| {label} | {percent(gap['mean'])} | {percent(gap['standard_error'])} | "
+                     f"{percent(gap['first_half'])} | {percent(gap['second_half'])} | "
+                     f"{percent(gap['total_loss_mean'])} |")
+    needed = GAP_BLOCKS * BLOCK_STEPS
+    if report["steps"] < needed:
+        lines += ["", (f"warning: the standard error needs at least {GAP_BLOCKS} blocks of {BLOCK_STEPS} consecutive "
+                       f"steps, a window of {needed} steps (--tokens {needed * report['tokens_per_step']}); this one "
+                       f"has {report['steps']}, so it reads n/a")]
+    lines += ["", f"plot and numbers: {out / PLOT_FILE}, {out / REPORT_FILE}",
+              f"arms:             {out / ARMS_DIR} (each arm's checkpoint and metrics.jsonl)"]
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--from", dest="checkpoint", required=True,
-                        help="a DCP checkpoint directory: runs/X/checkpoints/step_NNNNNN (required)")
-    parser.add_argument("--tokens", type=int, required=True,
-                        help="tokens to train each branch for, rounded up to whole steps (required)")
-    parser.add_argument("--out", help="output directory (default: <run>/branches/<step>_<tokens>)")
-    parser.add_argument("--arm", dest="arms", action="append", metavar="SPEC",
-                        help="a branch to compare with the bf16 reference (repeatable; default as-trained): "
-                             "as-trained or RECIPE[:POLICY][:no-sr][:no-rht][:no-2d], e.g. nvfp4:all")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines (default: one line per arm)")
+# ------------------------------------------------------------------------------------------------ the command
+def replace_help(parser: argparse.ArgumentParser, flag: str, text: str) -> None:
+    """The run scaffold's help of `flag`, replaced by what it means for a branch."""
+    for action in parser._actions:  # argparse has no public way to change the help of an option it holds
+        if flag in action.option_strings:
+            action.help = text
 
 
-def run(args) -> int:
-    report = branch(args.checkpoint, args.tokens, args.arms or [AS_TRAINED], args.out, args.quiet)
-    print(format_report(report))
-    return 0
+class Branch(RunCommand):
+    """The scaffold's options, configuration and resume checks; `run` drives the arms itself (`run_branch`), since
+    the scaffold's `train_in` trains one trainer to its schedule's end and calls a run complete by its HF export,
+    while each arm is a run of its own that ends inside the forked run's schedule and exports nothing."""
+
+    name = "branch"
+    config_class = BranchRunConfig
+    inputs = (Input("--from", "checkpoint", "the DCP checkpoint to branch: runs/X/checkpoints/step_NNNNNN"),)
+    set_example = "--set branch.tokens=122880"
+    quiet_help = "no progress lines (default: one line per arm)"
+
+    def add_command_arguments(self, parser):
+        parser.add_argument("--tokens", type=int,
+                            help="tokens to train each arm for, rounded up to whole steps (the same as --set "
+                                 "branch.tokens=N; required unless --config or --resume gives it)")
+        parser.add_argument("--arm", dest="arms", action="append", metavar="SPEC",
+                            help="a branch to compare with the bf16 reference (repeatable; default as-trained; the "
+                                 "same as --set branch.arms=SPEC,...): as-trained or "
+                                 "RECIPE[:POLICY][:no-sr][:no-rht][:no-2d], e.g. nvfp4:all")
+
+    def add_arguments(self, parser):
+        super().add_arguments(parser)
+        replace_help(parser, "--out", "the branch directory; created, and holds each arm's run, branch.json and "
+                                      "branch.png (default: <run>/branches/<step_N>_<tokens>)")
+        replace_help(parser, "--steps", "steps to train each arm for, instead of --tokens (the same as --tokens N "
+                                        "times the forked run's tokens a step)")
+
+    def section_names(self):
+        return ["branch"]
+
+    def default_config(self, args, inputs):
+        return BranchRunConfig.forking(inputs["checkpoint"])
+
+    def resolve(self, args):
+        """The scaffold's resolution, with --tokens and --arm as [branch] overrides, --steps as tokens, and the
+        forked run's sections refused by name."""
+        for text in args.overrides:
+            section = parse_override(text)[0]
+            if section in FORKED_SECTIONS:
+                raise ValueError(f"--set {text!r}: [{section}] is the forked run's (its {RUN_CONFIG}), which every arm "
+                                 f"continues as it was trained; a branch sets [branch] (the arms' formats: --arm)")
+        if args.tokens is not None and args.steps is not None:
+            raise ValueError("--tokens and --steps both give the window each arm trains; give one")
+        overrides = list(args.overrides)
+        if args.tokens is not None:
+            overrides.append(f"branch.tokens={args.tokens}")
+        if args.arms:
+            overrides.append(f"branch.arms={','.join(args.arms)}")
+        config, saved = self.resolve_overrides(args, overrides)
+        if args.steps is not None:  # N steps' tokens: the forked run's batch shape, known once resolved, gives them
+            tokens = args.steps * config.tokens_per_step
+            config, saved = self.resolve_overrides(args, [*overrides, f"branch.tokens={tokens}"])
+        return config, saved
+
+    def resolve_overrides(self, args, overrides: list[str]):
+        config, saved = super().resolve(argparse.Namespace(**{**vars(args), "overrides": overrides, "steps": None}))
+        if saved is None:  # a new branch: the forked sections are --from's run's (also under another's --config)
+            config = BranchRunConfig.forking(config.checkpoint, config.branch)
+        return config, saved
+
+    def check(self, config):
+        refuse_torchrun(self.name)  # the arms train one after the other in one process
+        if config.branch.tokens <= 0:
+            raise ValueError(f"branch.tokens must be positive (--tokens N: the tokens each arm trains), got "
+                             f"{config.branch.tokens}")
+        config.arms()  # every spec parses, none repeats
+
+    def run(self, args) -> int:
+        config, _ = self.resolve(args)
+        if args.print_config:
+            print(config.to_toml(), end="")
+            return 0
+        self.check(config)
+        out = Path(args.out) if args.out else config.default_out()
+        report = run_branch(config, out, resume=args.resume, quiet=args.quiet)
+        print(format_report(report, out))
+        return 0
+
+
+COMMAND = Branch()
+add_arguments, run = COMMAND.add_arguments, COMMAND.run
