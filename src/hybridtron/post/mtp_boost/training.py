@@ -1,23 +1,23 @@
-"""MTP boosting's training: the self-conditioned chain through the model's own MTP block, the forward-KL loss, the
-on-policy pool and the acceptance measurement (the recipe: `hybridtron.post.mtp_boost`)."""
+"""MTP boosting's training pieces (the recipe: `hybridtron.post.mtp_boost`): the self-conditioned chain through the
+model's own MTP block, the forward-KL loss, the on-policy pool and the acceptance measurement, and what the one
+`Trainer` (hybridtron.train.loop) runs them as: `BoostObjective`, `PoolBatches` and `AcceptanceLength`."""
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from hybridtron.config import ATTENTION
+from hybridtron.config import ATTENTION, MOE
 from hybridtron.infer.cache import HybridCache
 from hybridtron.infer.engine import generate_tokens
 from hybridtron.infer.sampling import SamplingParams
-from hybridtron.infer.speculative import SpeculativeDecoder, check_drafter
+from hybridtron.infer.speculative import SpeculativeDecoder
 from hybridtron.model.block import run_mixer
 from hybridtron.model.state import KVCache
-from hybridtron.post.mtp_boost import BoostConfig
+from hybridtron.train.evaluate import Evaluator
+from hybridtron.train.objectives import BatchSource, ObjectiveOutput, router_counts
 
 
 # --------------------------------------------------------------------------------------------- the chain
@@ -45,16 +45,22 @@ class ChainAttention:
 
     Depth 1 is the training forward's causal attention; its keys and values are kept as the real entries. At depth
     j > 1 each layer's keys and values join the anchor's chain, and `chain_attention` reads the real entries up to
-    the anchor and the chain's."""
+    the anchor and the chain's. The MoE layers' routing is counted over every depth (`routed`), as the training
+    forward counts the MTP block's: the shared block routes once per depth."""
 
     def __init__(self):
         self.depth = 1
         self.real_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by attention module
         self.chain_kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.routed: dict[int, torch.Tensor] = {}  # by MoE module: tokens per expert, summed over the depths
 
     def __call__(self, kind, mixer, normed_BTH, layer_cache=None, lengths=None, expert_ids=None):
         if kind != ATTENTION:
-            return run_mixer(kind, mixer, normed_BTH)
+            out = run_mixer(kind, mixer, normed_BTH)
+            if kind == MOE:
+                counts = mixer.last_expert_counts
+                self.routed[id(mixer)] = counts + self.routed[id(mixer)] if id(mixer) in self.routed else counts
+            return out
         q, k, v = mixer.project(normed_BTH)
         if self.depth == 1:
             self.real_kv[id(mixer)] = (k, v)
@@ -65,15 +71,21 @@ class ChainAttention:
             out = chain_attention(q, *self.real_kv[id(mixer)], chain)
         return mixer.o_proj(out.transpose(1, 2).flatten(-2))
 
+    def expert_counts(self, model) -> dict[str, torch.Tensor]:
+        """The MTP block's routing over the chain, keyed by router name (`HybridLM.routers()`)."""
+        return {name: self.routed[id(moe)] for name, moe in model.routers().items() if id(moe) in self.routed}
 
-def mtp_chain(model, input_ids_BT: torch.Tensor, hidden0_BTH: torch.Tensor, depths: int) -> list[torch.Tensor]:
-    """The MTP block unrolled `depths` times over every anchor at once: [B, T, H] outputs per depth.
+
+def mtp_chain(model, input_ids_BT: torch.Tensor, hidden0_BTH: torch.Tensor, depths: int,
+              mixers: ChainAttention | None = None) -> list[torch.Tensor]:
+    """The MTP block unrolled `depths` times over every anchor at once: [B, T, H] outputs per depth. `mixers`: the
+    chain's mixers, to read their routing counts afterwards (default: fresh ones).
 
     Entry a of depth j reads token x_{a+j} (zero embedding past the end: those entries are never scored) and
     predicts x_{a+j+1}.
     """
     embeddings = model.backbone.embeddings(input_ids_BT)
-    mixers = ChainAttention()
+    mixers = ChainAttention() if mixers is None else mixers
     previous, outputs = hidden0_BTH, []
     for depth in range(1, depths + 1):
         mixers.depth = depth
@@ -115,11 +127,13 @@ def mtp_chain_ref(model, input_ids_BT: torch.Tensor, hidden0_BTH: torch.Tensor, 
 
 
 def boost_loss(model, input_ids_BT: torch.Tensor, hidden0_BTH: torch.Tensor, target_logits_BTV: torch.Tensor,
-               depths: int, temperature: float = 2.0) -> tuple[torch.Tensor, list[float]]:
-    """Mean over depths of T^2 * KL(backbone_T || mtp_T) over the anchors whose target exists; per-depth values."""
+               depths: int, temperature: float = 2.0, mixers: ChainAttention | None = None
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Mean over depths of T^2 * KL(backbone_T || mtp_T) over the anchors whose target exists; each depth's value
+    (detached). `mixers`: as for `mtp_chain`."""
     length = input_ids_BT.shape[1]
     per_depth = []
-    for depth, hidden in enumerate(mtp_chain(model, input_ids_BT, hidden0_BTH, depths), start=1):
+    for depth, hidden in enumerate(mtp_chain(model, input_ids_BT, hidden0_BTH, depths, mixers), start=1):
         if depth >= length:
             break
         student = model.lm_head(hidden[:, :length - depth]).float() / temperature
@@ -128,7 +142,7 @@ def boost_loss(model, input_ids_BT: torch.Tensor, hidden0_BTH: torch.Tensor, tar
                       reduction="none").sum(-1).mean()
         per_depth.append(kl * temperature ** 2)
     loss = torch.stack(per_depth).mean()
-    return loss, [float(v.detach()) for v in per_depth]
+    return loss, [value.detach() for value in per_depth]
 
 
 # ------------------------------------------------------------------------------------------ data and eval
@@ -153,53 +167,78 @@ def acceptance_length(model, prompts: Sequence[Sequence[int]], draft_length: int
     return decoder.stats.mean_acceptance_length
 
 
-@dataclass
-class BoostResult:
-    acceptance_before: float
-    acceptance_after: float
-    losses: list[float]  # per step
-    first_loss_per_depth: list[float]
-    last_loss_per_depth: list[float]
-    seconds: float
+# --------------------------------------------------------------------------------------- on the Trainer
+class BoostObjective:
+    """The boosting loss of a micro-batch of pool rows: the backbone's forward (without gradients: it is frozen)
+    gives the hidden states the chain starts from and the target distributions, `boost_loss` the KL of the chain.
+    Each depth's KL is an MTP depth loss (`mtp_loss_<d>` in metrics.jsonl). The expert counts are the backbone's
+    routing of the rows and the MTP block's over the chain (MaxVio; the run keeps every router's bias fixed). Every
+    micro-batch weighs the same: the step's loss is their mean."""
+
+    headline = ("loss", "kl")
+
+    def __init__(self, depths: int, temperature: float):
+        self.depths, self.temperature = depths, temperature
+        self.micro_batches = 1
+
+    def begin_step(self, micro_batches):
+        self.micro_batches = len(micro_batches)
+
+    def __call__(self, model, input_ids_BT):
+        with torch.no_grad():
+            target = model(input_ids_BT, mtp=False)
+        mixers = ChainAttention()
+        loss, per_depth = boost_loss(model, input_ids_BT, target.hidden, target.logits, self.depths,
+                                     self.temperature, mixers)
+        return ObjectiveOutput(loss / self.micro_batches, {"loss": loss.detach()}, input_ids_BT.numel(),
+                               {**router_counts(model, target), **mixers.expert_counts(model)}, per_depth)
 
 
-def boost_mtp(model, prompts: Sequence[Sequence[int]], eval_prompts: Sequence[Sequence[int]], config: BoostConfig,
-              log=None) -> BoostResult:
-    """Train `model.mtp` in place on on-policy samples from `prompts`; measure acceptance on `eval_prompts`."""
-    check_drafter(model, config.draft_length)
-    started = time.perf_counter()
-    model.eval()  # no dropout anywhere; eval() only fixes the mode
-    before = acceptance_length(model, eval_prompts, config.draft_length, config.eval_tokens)
-    pool = on_policy_samples(model, prompts, config.num_samples, config.sample_length, config.sample_temperature,
-                             config.seed)
-    trainable = list(model.mtp.parameters())
-    frozen = [p for name, p in model.named_parameters() if not name.startswith("mtp.")]
-    flags = [p.requires_grad for p in frozen]
-    for p in frozen:
-        p.requires_grad_(False)
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=config.weight_decay)
-    generator = torch.Generator().manual_seed(config.seed)
-    losses, first, last = [], [], []
-    try:
-        for step in range(config.steps):
-            rows = torch.randint(0, len(pool), (config.batch_size,), generator=generator)
-            ids = pool[rows.to(pool.device)]
-            with torch.no_grad():
-                target = model(ids, mtp=False)
-            loss, per_depth = boost_loss(model, ids, target.hidden, target.logits, config.depths,
-                                         config.kl_temperature)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, config.grad_clip)
-            optimizer.step()
-            losses.append(float(loss.detach()))
-            first = first or per_depth
-            last = per_depth
-            if log is not None and (step % max(1, config.steps // 10) == 0 or step == config.steps - 1):
-                log(f"step {step + 1}/{config.steps}  loss {losses[-1]:.4f}  per depth "
-                    + " ".join(f"{v:.3f}" for v in per_depth))
-    finally:
-        for p, flag in zip(frozen, flags):
-            p.requires_grad_(flag)
-    after = acceptance_length(model, eval_prompts, config.draft_length, config.eval_tokens)
-    return BoostResult(before, after, losses, first, last, time.perf_counter() - started)
+class PoolBatches(BatchSource):
+    """Each step `micro_batches` micro-batches of `batch_size` rows of the pool, drawn with replacement by a
+    generator seeded with `seed`. Its state is its position, the steps drawn so far: a resumed run seeds the
+    generator again and draws as many, so it reads the rows the uninterrupted run would have read."""
+
+    def __init__(self, pool_NL: torch.Tensor, batch_size: int, micro_batches: int, seed: int):
+        self.pool, self.batch_size, self.micro_batches, self.seed = pool_NL, batch_size, micro_batches, seed
+        self.generator = torch.Generator().manual_seed(seed)
+        self.steps_drawn = 0
+
+    def draw_rows(self) -> list[torch.Tensor]:
+        self.steps_drawn += 1
+        return [torch.randint(0, len(self.pool), (self.batch_size,), generator=self.generator)
+                for _ in range(self.micro_batches)]
+
+    def next_step(self):
+        return [self.pool[rows.to(self.pool.device)] for rows in self.draw_rows()]
+
+    def state_dict(self):
+        return {"steps_drawn": self.steps_drawn}
+
+    def load_state_dict(self, state):
+        self.generator.manual_seed(self.seed)
+        self.steps_drawn = 0
+        while self.steps_drawn < state["steps_drawn"]:
+            self.draw_rows()
+
+
+class AcceptanceLength(Evaluator):
+    """`acceptance_length`: the mean acceptance length of greedy self-speculative decoding with the model's MTP
+    block drafting `draft_length` tokens, `max_tokens` generated for each of fixed `prompts`."""
+
+    key = "acceptance_length"
+
+    def __init__(self, prompts: Sequence[Sequence[int]], draft_length: int, max_tokens: int, every: int):
+        super().__init__()
+        self.prompts, self.draft_length, self.max_tokens, self.every = prompts, draft_length, max_tokens, every
+
+    def evaluate(self, trainer) -> dict[str, float]:
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        try:
+            value = acceptance_length(model, self.prompts, self.draft_length, self.max_tokens)
+        finally:
+            model.train(was_training)
+        self.history.append((trainer.step, value))
+        return {self.key: value}
