@@ -36,7 +36,7 @@ def rollout_throughput(args) -> None:
     from hybridtron.data.chat import load_chat_tokenizer, tokenize_chat
     from hybridtron.infer.engine import HybridEngine
     from hybridtron.infer.sampling import SamplingParams
-    from hybridtron.post.envs import get_env
+    from hybridtron.envs import get_env
 
     torch.set_num_threads(1)
     model = load_pretrained(args.model, dtype=torch.float32).eval()

@@ -1,31 +1,34 @@
 """`hybridtron <command>`: one entry point; each command lives beside the code it drives.
 
-Every command module defines `add_arguments(parser)` and `run(args) -> int | None`; its docstring's first
-line is the one-line help shown here. Modules load only when their command runs, so `--help` stays fast.
+Every command module defines `add_arguments(parser)` and `run(args) -> int | None` (the training commands through
+the run scaffold, hybridtron.train.run). The registry below is lazy: a command's module, with torch and everything
+it imports, loads only when that command runs or shows its help, so `hybridtron --help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from hybridtron import __version__
-from hybridtron.errors import RunStopped
+from hybridtron.errors import RunInterrupted, RunStopped
 
 COMMANDS = {
     "pretrain": ("hybridtron.train.pretrain", "train a hybrid model from scratch on a bucketed data mixture"),
     "precision": ("hybridtron.numerics.policy", "show which module runs in which number format, and FLOP shares"),
     "branch": ("hybridtron.experiments.branch", "continue a checkpoint in NVFP4 and in BF16; report the loss gap"),
     "report": ("hybridtron.train.report", "write an HTML stability report of a run (works while it runs)"),
+    "eval": ("hybridtron.eval.command", "a checkpoint's pass@k on the held-out tasks of math, code or your environment"),
     "generate": ("hybridtron.infer.generate", "generate text from a checkpoint, streaming to the terminal"),
-    "serve": ("hybridtron.infer.server", "serve a checkpoint with an OpenAI-compatible HTTP API"),
+    "serve": ("hybridtron.infer.server.command", "serve a checkpoint with an OpenAI-compatible HTTP API"),
     "memory": ("hybridtron.infer.memory", "KV cache and Mamba state memory of a model at a context and batch"),
     "sft": ("hybridtron.post.sft", "fine-tune a model on conversations, with the loss on the assistant's tokens"),
     "grpo": ("hybridtron.post.grpo", "reinforcement learning with verifiable rewards (GRPO) on an environment"),
     "mopd": ("hybridtron.post.mopd", "multi-teacher on-policy distillation: each domain's teacher scores the student"),
     "mtp-boost": ("hybridtron.post.mtp_boost", "train only the MTP block to raise speculative acceptance"),
-    "pipeline": ("hybridtron.post.pipeline", "the whole recipe, pretraining to MTP boosting, resumable stage by stage"),
+    "pipeline": ("hybridtron.recipe.pipeline", "the whole recipe, pretraining to MTP boosting, resumable stage by stage"),
     "plan": ("hybridtron.dist.plan", "rank parallel layouts (DP, TP, PP, CP, EP) by memory and step time"),
     "convert": ("hybridtron.dist.convert", "convert a sharded (DCP) training checkpoint to HF, or HF to DCP"),
 }
@@ -47,15 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(load=command if command in COMMANDS else None)
     args = parser.parse_args(argv)
-    module = importlib.import_module(COMMANDS[args.command][0])
+    # under torchrun every rank ends the same way; global rank 0 alone says so
+    say = (lambda line: print(line, file=sys.stderr)) if int(os.environ.get("RANK", "0")) == 0 else (lambda line: None)
     try:
+        module = importlib.import_module(COMMANDS[args.command][0])
         return int(module.run(args) or 0)
     except (ValueError, FileNotFoundError) as exc:  # a user's mistake: one clear line, no traceback
-        print(f"hybridtron {args.command}: error: {exc}", file=sys.stderr)
+        say(f"hybridtron {args.command}: error: {exc}")
         return 2
-    except RunStopped as exc:  # the run ended itself on purpose; what it wrote is intact
-        print(f"hybridtron {args.command}: stopped: {exc}", file=sys.stderr)
+    except RunInterrupted as exc:  # Ctrl-C or SIGTERM: the step finished and a checkpoint holds it
+        say(f"hybridtron {args.command}: interrupted: {exc}"
+            + (f"; resume with: {exc.resume_command}" if exc.resume_command else ""))
         return exc.exit_code
+    except RunStopped as exc:  # the run ended itself on purpose; what it wrote is intact
+        say(f"hybridtron {args.command}: stopped: {exc}")
+        return exc.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before training began: stop at once
+        say(f"hybridtron {args.command}: interrupted at once; the latest complete checkpoint (if any) is intact "
+            f"and --resume continues from it")
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Writing files so that a crash or a concurrent reader never sees half of one."""
+"""Writing files so that a crash or a concurrent reader never sees half of one; the names of a run directory's files
+(hybridtron.train.run describes the directory)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,12 @@ import json
 import os
 import tempfile
 from pathlib import Path
+
+RUN_CONFIG = "run_config.json"  # the resolved configuration, which `--config` and `--resume` read back
+METRICS_FILE = "metrics.jsonl"  # one line per step
+ROLLED_BACK_FILE = "metrics.rolled_back.jsonl"  # the lines of steps a rollback abandoned
+EVENTS_FILE = "events.jsonl"  # the monitor's detections and actions, interruptions, resumes, configuration changes
+ABANDONED_EVENTS_FILE = "events.abandoned.jsonl"  # events of steps a resume re-runs (after a kill, before its save)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

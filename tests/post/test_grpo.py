@@ -22,7 +22,7 @@ from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.infer.engine import HybridEngine
 from hybridtron.infer.sampling import SamplingParams, probs_from_logits
 from hybridtron.model.lm import HybridLM
-from hybridtron.post.envs import Environment, Task
+from hybridtron.envs import Environment, Task
 from hybridtron.post.grpo import (GRPO_TRAIN, GRPOConfig, GRPOObjective, GRPORunConfig, build_trainer,
                                   sampled_logprobs)
 from hybridtron.post.losses import group_advantages
@@ -31,6 +31,7 @@ from hybridtron.post.rollout import (PassRateCurriculum, Rollout, RolloutBatch, 
                                      pack_micro_batches)
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.loop import Trainer
+from hybridtron.train.objectives import BatchSource
 from hybridtron.train.monitor.config import MonitorConfig
 
 
@@ -321,7 +322,7 @@ def _step_metrics(model, objective, micro_batches) -> dict[str, float]:
     return metrics
 
 
-class FixedBatches:
+class FixedBatches(BatchSource):
     """A batch source giving the same rollouts every step, split into `micro_batches`."""
 
     def __init__(self, batch, micro_batches):

@@ -65,11 +65,12 @@ def make_trainer(tmp_path, small_config, *, steps=40, checkpoint_every=10, monit
     batches = LoaderBatches(ProgressionLoader(model_config.vocab_size), config.grad_accum)
     val = [ProgressionLoader(model_config.vocab_size).__next__()]
     monitor, faults = build_monitor(monitor_config, tmp_path, model_config, stream=io.StringIO())
-    if faults is not None:
+    if faults is not None:  # the drill wraps the batches and installs itself as a hook
         batches = faults.wrap_batches(batches, model_config.vocab_size)
+        hooks = (*hooks, faults)
     return Trainer(model, PretrainObjective(), batches, config, CheckpointManager(tmp_path / "checkpoints", keep=10),
                    hooks=[H.MetricsLogger(tmp_path), *hooks], evaluators=[ValidationLoss(val, config.val_every)],
-                   monitor=monitor, faults=faults)
+                   monitor=monitor)
 
 
 class OnStepEnd(H.Hook):
@@ -163,16 +164,32 @@ def test_underflow_is_read_from_quantized_modules(tmp_path, small_config):
 CONFIG = MonitorConfig(window=50, min_history=20, mtp_lead_after=20)
 
 
+def step_stats(step=30, *, mtp_losses=(), **fields) -> StepStats:
+    """A step's stats holding only what a detector test gives."""
+    losses = fields.pop("losses", {})
+    return StepStats(step=step, lr=1e-3, losses=losses, tokens=0, expert_counts={}, mtp_losses=list(mtp_losses),
+                     **fields)
+
+
+def losses_stats(step: int, values: dict) -> StepStats:
+    """`{"lm_loss": ..., "mtp_loss_1": ..., "grad_norm": ..., "wgrad_norm/lm_head": ...}` as a step's stats."""
+    depths = sorted(k for k in values if k.startswith("mtp_loss_"))
+    return step_stats(step, losses={k: v for k, v in values.items() if k in ("loss", "lm_loss")},
+                      mtp_losses=[values[k] for k in depths], grad_norm=values.get("grad_norm", math.nan),
+                      group_grad_norms={k.removeprefix("wgrad_norm/"): v for k, v in values.items()
+                                        if k.startswith("wgrad_norm/")})
+
+
 def feed(detector, stream):
     """Run a detector over a list of metric dicts as the monitor does; return the steps where it fired."""
     fired = []
-    for step, metrics in enumerate(stream, start=1):
-        metrics = {"step": step, **metrics}
-        finding = detector.check(metrics)
+    for step, values in enumerate(stream, start=1):
+        stats = losses_stats(step, values)
+        finding = detector.check(stats)
         if finding is not None:
             fired.append(step)
         else:
-            detector.observe(metrics)
+            detector.observe(stats)
     return fired
 
 
@@ -230,23 +247,24 @@ def test_mtp_leads_fires_on_an_mtp_spike_but_not_on_a_spike_of_every_loss():
 
 def test_maxvio_fires_above_its_share_of_the_bound_after_min_history():
     detector = MaxVio(CONFIG, bound=4.0)
-    assert detector.check({"step": 30, "maxvio/1": 1.9, "maxvio/3": 1.2}) is None
-    finding = detector.check({"step": 30, "maxvio/1": 1.2, "maxvio/3": 2.1})
+    assert detector.check(step_stats(30, maxvio={"1": 1.9, "3": 1.2})) is None
+    finding = detector.check(step_stats(30, maxvio={"1": 1.2, "3": 2.1}))
     assert finding.key == "maxvio/3" and finding.threshold == 2.0
-    assert detector.check({"step": 5, "maxvio/3": 3.9}) is None
+    assert detector.check(step_stats(5, maxvio={"3": 3.9})) is None
 
 
 def test_residual_spread_counts_orders_of_magnitude():
     detector = ResidualSpread(CONFIG)
-    assert detector.check({"residual_rms/0": 0.1, "residual_rms/1": 50.0}) is None  # 2.7 orders
-    finding = detector.check({"residual_rms/0": 0.01, "residual_rms/1": 1.0, "residual_rms/2": 20.0})
+    assert detector.check(step_stats(residual_rms={0: 0.1, 1: 50.0})) is None  # 2.7 orders
+    finding = detector.check(step_stats(residual_rms={0: 0.01, 1: 1.0, 2: 20.0}))
     assert finding.value == pytest.approx(math.log10(2000))
 
 
 def test_nonfinite_names_the_signal():
     detector = NonFinite(CONFIG)
-    assert detector.check({"loss": 3.0, "grad_norm": 1.0, "wgrad_norm/layer.3": 0.5}) is None
-    finding = detector.check({"loss": 3.0, "grad_norm": float("nan"), "wgrad_norm/layer.3": float("inf")})
+    assert detector.check(losses_stats(1, {"loss": 3.0, "grad_norm": 1.0, "wgrad_norm/layer.3": 0.5})) is None
+    finding = detector.check(losses_stats(1, {"loss": 3.0, "grad_norm": float("nan"),
+                                              "wgrad_norm/layer.3": float("inf")}))
     assert "grad_norm" in finding.message and "wgrad_norm/layer.3" in finding.message
 
 

@@ -13,10 +13,10 @@ from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.train import hooks as H
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.loop import Trainer
-from hybridtron.train.objectives import ObjectiveOutput, router_counts
+from hybridtron.train.objectives import BatchSource, ObjectiveOutput, router_counts
 
 
-class CopyTask:
+class CopyTask(BatchSource):
     """A batch source of its own: rows `prompt SEP prompt`, where only the copied half is a target (a toy SFT). The
     prompts use the first `alphabet` token ids: a few steps learn that much (the loss falls from ln(vocab) toward
     ln(alphabet)), where the copying itself would take hundreds."""

@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -70,6 +71,10 @@ class DataConfig:
     allow_repeat: bool = False  # accept plans that repeat a bucket more than max_epochs
     seed: int = 0  # bucket draws and per-epoch document order (not the validation split or proxy slices)
     cache_dir: str | None = None  # tokenizer and token caches; None = default_cache_dir()
+
+    # the data a run reads is fixed at its start (its loader position counts into this stream); only where the
+    # caches live may change on resume (hybridtron.train.config)
+    RESUMABLE: ClassVar = ("cache_dir",)
 
     def __post_init__(self):
         for name in ("source", "rollouts", "families"):

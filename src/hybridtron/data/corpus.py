@@ -86,7 +86,7 @@ def read_source(path: str | os.PathLike, max_document_chars: int) -> list[Docume
     return documents
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[int, dict]]:
+def jsonl_records(path: Path) -> Iterator[tuple[int, dict]]:
     try:
         with path.open("rb") as f:
             for line_number, raw in enumerate(f, start=1):
@@ -118,7 +118,7 @@ def read_jsonl(path: str | os.PathLike, max_document_chars: int) -> list[Documen
     """One document (or several parts) per line: `{"text": str, "bucket": str (optional)}`."""
     path = Path(path)
     documents = []
-    for line_number, record in _jsonl_records(path):
+    for line_number, record in jsonl_records(path):
         where = f"line {line_number}"
         text = _field(record, "text", str, path, where)
         bucket = _field(record, "bucket", str, path, where, default=path.stem)
@@ -133,7 +133,7 @@ def read_rollouts(path: str | os.PathLike, max_document_chars: int) -> list[Docu
     if not path.is_file():
         raise ValueError(f"rollouts: {str(path)!r} does not exist; expected a .jsonl file")
     documents = []
-    for line_number, record in _jsonl_records(path):
+    for line_number, record in jsonl_records(path):
         where = f"line {line_number}"
         text = _field(record, "text", str, path, where)
         success = _field(record, "success", bool, path, where)

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from hybridtron.data.chat import REASONING_HISTORY, Segment, tokenize_chats, validate_messages
-from hybridtron.data.corpus import _jsonl_records
+from hybridtron.data.corpus import jsonl_records
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.model.lm import IGNORE_INDEX
 
@@ -78,7 +78,7 @@ def read_conversations(path: str | os.PathLike, require_reply: bool = True) -> l
         raise ValueError(f"SFT data {str(path)!r}: no such file; expected a .jsonl file of "
                          f'{{"messages": [...]}} lines')
     conversations = [_conversation(record, f"{path} line {line}", require_reply)
-                     for line, record in _jsonl_records(path)]
+                     for line, record in jsonl_records(path)]
     if not conversations:
         raise ValueError(f"SFT data {str(path)!r}: no conversations (the file is empty)")
     return conversations

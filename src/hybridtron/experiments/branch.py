@@ -438,13 +438,6 @@ def format_report(report: dict, out: Path) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the command
-def replace_help(parser: argparse.ArgumentParser, flag: str, text: str) -> None:
-    """The run scaffold's help of `flag`, replaced by what it means for a branch."""
-    for action in parser._actions:  # argparse has no public way to change the help of an option it holds
-        if flag in action.option_strings:
-            action.help = text
-
-
 class Branch(RunCommand):
     """The scaffold's options, configuration and resume checks; `run` drives the arms itself (`run_branch`), since
     the scaffold's `train_in` trains one trainer to its schedule's end and calls a run complete by its HF export,
@@ -455,6 +448,10 @@ class Branch(RunCommand):
     inputs = (Input("--from", "checkpoint", "the DCP checkpoint to branch: runs/X/checkpoints/step_NNNNNN"),)
     set_example = "--set branch.tokens=122880"
     quiet_help = "no progress lines (default: one line per arm)"
+    out_help = ("the branch directory; created, and holds each arm's run, branch.json and branch.png (default: "
+                "<run>/branches/<step_N>_<tokens>)")
+    steps_help = ("steps to train each arm for, instead of --tokens (the same as --tokens N times the forked run's "
+                  "tokens a step; default: none, --tokens)")
 
     def add_command_arguments(self, parser):
         parser.add_argument("--tokens", type=int,
@@ -464,13 +461,6 @@ class Branch(RunCommand):
                             help="a branch to compare with the bf16 reference (repeatable; default as-trained; the "
                                  "same as --set branch.arms=SPEC,...): as-trained or "
                                  "RECIPE[:POLICY][:no-sr][:no-rht][:no-2d], e.g. nvfp4:all")
-
-    def add_arguments(self, parser):
-        super().add_arguments(parser)
-        replace_help(parser, "--out", "the branch directory; created, and holds each arm's run, branch.json and "
-                                      "branch.png (default: <run>/branches/<step_N>_<tokens>)")
-        replace_help(parser, "--steps", "steps to train each arm for, instead of --tokens (the same as --tokens N "
-                                        "times the forked run's tokens a step)")
 
     def section_names(self):
         return ["branch"]

@@ -11,7 +11,7 @@ prompts of every domain, and each prompt's domain picks the teacher that scores 
   (a quota per domain, largest remainder of n x lambda_i, at least one each when n allows), uniformly within a
   domain. Stratifying keeps every domain, and so every teacher's reverse KL, in every step; MOPD has no reward to
   steer a pass-rate curriculum by (the running estimates are still kept, for the logs).
-- `MixtureRolloutRole`: `hybridtron.post.rollout.RolloutRole` on a `MixtureEnv` with the `DomainSampler`, adding
+- `MixtureRolloutRole`: `hybridtron.post.rl.rollout.RolloutRole` on a `MixtureEnv` with the `DomainSampler`, adding
   each domain's reward and completion length to the batch's statistics. The rewards are logged, never trained on.
 """
 
@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from hybridtron.post.envs import Environment, Task
-from hybridtron.post.rollout import PassRateCurriculum, RolloutRole, load_env
+from hybridtron.envs import Environment, Task
+from hybridtron.post.rl.rollout import PassRateCurriculum, RolloutRole, load_env
 
 MIXTURE_ENV = f"{__name__}:MixtureEnv"
 
@@ -45,7 +45,7 @@ def domain_quotas(n: int, weights: Sequence[float]) -> list[int]:
 
 
 class MixtureEnv(Environment):
-    """The environments `envs` (registered names or `module.path:Factory`, see `hybridtron.post.rollout.load_env`)
+    """The environments `envs` (registered names or `module.path:Factory`, see `hybridtron.post.rl.rollout.load_env`)
     as one; `weights`: each one's share lambda_i of the tasks (empty: equal); `levels`: {environment: difficulty
     levels} passed to those members (a member not named: its default levels)."""
 

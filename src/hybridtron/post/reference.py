@@ -2,9 +2,9 @@
 policy, computed once per rollout between rollout and learner (as verl's and miles' reference workers do), so the
 learner holds no copy of the reference under any layout.
 
-`ReferenceScoringRole` (a `rollout.ScoringRole`) loads the --model checkpoint GRPO starts from and adds
+`ReferenceScoringRole` (a `hybridtron.post.rl.rollout.ScoringRole`) loads the --model checkpoint GRPO starts from and adds
 `Rollout.scores["reference"]` [C]: log pi_ref(y_t | s_t) at the rollout's temperature with its top-k / top-p
-filter (`grpo.sampled_logprobs`, as the learner scores the policy), with the rollout's experts replayed in every
+filter (`hybridtron.post.rl.objective.sampled_logprobs`, as the learner scores the policy), with the rollout's experts replayed in every
 backbone MoE layer under routing replay (the learner's forward replays them too, so the k3 KL compares the two
 models on the same routes). `hybridtron.post.grpo.GRPOObjective` reads the scores for its KL (`grpo.kl_coef` > 0,
 or logged with `grpo.reference_kl`).
@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from hybridtron.post.rollout import Rollout, ScoringRole, completion_scores, rollout_rows
+from hybridtron.checkpoint import load_pretrained
+from hybridtron.post.rl.batches import rollout_rows
+from hybridtron.post.rl.objective import sampled_logprobs
+from hybridtron.post.rl.rollout import Rollout, ScoringRole, completion_scores
 
 REFERENCE_SCORE = "reference"  # the name of the reference's per-token log-probs in Rollout.scores
 REFERENCE_ROLE = "reference"
@@ -23,8 +26,6 @@ REFERENCE_ROLE = "reference"
 def score_reference(model, rollouts: list[Rollout], *, temperature: float, top_k: int = 0, top_p: float = 1.0,
                     routing_replay: bool = True) -> None:
     """`scores["reference"]` of `rollouts` under `model` (one forward, no gradient)."""
-    from hybridtron.post.grpo import sampled_logprobs
-
     rows = rollout_rows(rollouts, model.config.pad_token_id or 0)
     with torch.no_grad():
         logits = model(rows.input_ids, expert_ids=rows.expert_ids if routing_replay else None, mtp=False).logits
@@ -33,16 +34,14 @@ def score_reference(model, rollouts: list[Rollout], *, temperature: float, top_k
 
 
 class ReferenceScoringRole(ScoringRole):
-    """The frozen initial policy (`model_dir`, of architecture `model_config`), scoring every rollout of a batch (see the module docstring); `config`
-    is the run's [grpo] section (temperature, top_k, top_p, routing_replay, reference_batch_size rows per forward);
-    `share`: see `rollout.ScoringRole`."""
+    """The frozen initial policy (`model_dir`, of architecture `model_config`), scoring every rollout of a batch (see
+    the module docstring); `config` is the run's [grpo] section (temperature, top_k, top_p, routing_replay, reference_batch_size rows per forward);
+    `share`: see `hybridtron.post.rl.rollout.ScoringRole`."""
 
     name = REFERENCE_ROLE
     seconds_key = "reference_seconds"
 
     def __init__(self, *, model_dir: str, model_config, config, threads: int = 0, share=None):
-        from hybridtron.checkpoint import load_pretrained
-
         super().__init__(batch_size=config.reference_batch_size, share=share)
         if threads:
             torch.set_num_threads(threads)

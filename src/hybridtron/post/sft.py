@@ -4,7 +4,7 @@ The recipe (Nemotron 3 Ultra's first post-training stage, at any scale):
 
 - Data: conversations from a JSONL file or a directory of them (one `{"messages": [...]}` a line; the chat format
   is hybridtron.data.chat), or `env:NAME`, the worked solutions of a verifiable environment
-  (`hybridtron.post.envs`: `env.sft_examples(sft.env_examples, sft.seed)` from its levels `sft.env_levels`).
+  (`hybridtron.envs`: `env.sft_examples(sft.env_examples, sft.seed)` from its levels `sft.env_levels`).
   They are rendered in the chat format with the tokenizer and template of `--model`, masked, packed into rows of
   `sft.seq_len` tokens and split into training and held-out conversations by hybridtron.data.sft.
 - Loss on the assistant's answers, tool calls and the `<|im_end|>` that closes each of its turns; the reasoning
@@ -19,8 +19,8 @@ The recipe (Nemotron 3 Ultra's first post-training stage, at any scale):
   (speculative decoding in the GRPO rollouts and in serving needs it); `--set train.mtp_loss_weight=0` turns it
   off (the MTP block still runs, for its routers' balance).
 - The same trainer as pretraining (hybridtron.train.loop), its stability monitor, DCP checkpoints that resume bit
-  for bit, metrics.jsonl and progress bar; validation is the held-out conversations' masked CE (`HeldOutLoss`), at
-  step 0, every `train.val_every` steps and at the end.
+  for bit, metrics.jsonl and progress bar; validation is the held-out conversations' masked CE
+  (`hybridtron.train.evaluate.HeldOutLoss`), at step 0, every `train.val_every` steps and at the end.
 - Under torchrun (`torchrun --nproc-per-node N -m hybridtron sft ...`) the `[dist]` section lays the model out
   as pretraining does (hybridtron.dist: FSDP2, TP, EP, PP, CP); each data-parallel rank trains on its rows of every
   micro-batch (under CP its share of their positions) and the token mean is over the whole global batch, so the
@@ -28,7 +28,7 @@ The recipe (Nemotron 3 Ultra's first post-training stage, at any scale):
 - [model] is the checkpoint's (its config.json); SFT does not change it. [train] has SFT's own defaults
   (`SFT_TRAIN`: 800 steps, peak LR 2e-3 after a 10-step warmup, the last 20% decaying), [sft] rows of 256 tokens.
 
-The run directory (the rules of every training command: hybridtron.train.run):
+The run directory (the run scaffold's rules: hybridtron.train.run):
 
     run_config.json   --model, --data and the resolved [model], [sft], [train], [monitor]
     sft_data.json     conversations, trained tokens, truncation and padding (hybridtron.data.sft.SFTStats)
@@ -36,25 +36,32 @@ The run directory (the rules of every training command: hybridtron.train.run):
     events.jsonl      the stability monitor's detections and actions
     checkpoints/      DCP checkpoints
     hf/               the fine-tuned model: config.json, safetensors, tokenizer files with the chat template
-
-This module's top-level imports stay light (the CLI builds its parser from it); torch loads when a run starts.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+
+from hybridtron.checkpoint import load_pretrained
 from hybridtron.config import ModelConfig
+from hybridtron.data.chat import load_chat_tokenizer
+from hybridtron.data.sft import SFTDataConfig, build_sft_data, conversations_from
 from hybridtron.dist.config import DistConfig
-
-if TYPE_CHECKING:  # imported with torch, when a run starts
-    from hybridtron.train.config import TrainConfig
-    from hybridtron.train.monitor.config import MonitorConfig
+from hybridtron.dist.mesh import check_run_layout, world_from_env
+from hybridtron.dist.step import held_out_shares
+from hybridtron.envs import get_env
+from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy
+from hybridtron.train.config import SectionedConfig, TrainConfig
+from hybridtron.train.evaluate import HeldOutLoss
+from hybridtron.train.monitor.config import MonitorConfig
+from hybridtron.train.objectives import ObjectiveOutput, router_counts, target_counts, token_stage_inputs, \
+    window_targets
+from hybridtron.train.run import BuiltRun, Input, RunCommand, assemble_trainer, prepare_process, start_parallel
 
 ENV_PREFIX = "env:"
 # [train] defaults of SFT, over TrainConfig's (pretraining's), measured on the quickstart model (3.7M parameters;
@@ -63,7 +70,6 @@ ENV_PREFIX = "env:"
 # Every other field (AdamW betas, weight decay 0.1, clipping at 1.0, fp32) is pretraining's. A model of billions of
 # parameters wants an LR of 1e-5 to 1e-4.
 SFT_TRAIN = dict(steps=800, lr=2e-3, warmup_steps=10, decay_fraction=0.2, val_every=50, checkpoint_every=100)
-MODEL_FIXED = "the model is fixed by --model (its config.json); SFT trains the weights, not the architecture"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,9 +88,7 @@ class SFTConfig:
     env_examples: int = 5000  # env:NAME: conversations drawn (training split of the environment)
     env_levels: tuple[int, ...] = ()  # env:NAME: difficulty levels; empty = the environment's default (all)
 
-    def data_config(self):
-        from hybridtron.data.sft import SFTDataConfig
-
+    def data_config(self) -> SFTDataConfig:
         return SFTDataConfig(**{f.name: getattr(self, f.name) for f in fields(SFTDataConfig)})
 
     def validate(self) -> None:
@@ -94,96 +98,21 @@ class SFTConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SFTRunConfig:
+class SFTRunConfig(SectionedConfig):
     """What `hybridtron sft` runs: the base model and data as given on the command line, and the sections."""
+
+    MODEL_FROM = "base_model"
 
     base_model: str  # --model: an HF checkpoint directory with tokenizer files
     data: str  # --data: FILE.jsonl, a directory of them, or env:NAME
     model: ModelConfig  # the checkpoint's config.json (read-only)
-    sft: SFTConfig
-    train: TrainConfig
-    monitor: MonitorConfig
+    sft: SFTConfig = SFTConfig()
+    train: TrainConfig = TrainConfig(**SFT_TRAIN)
+    monitor: MonitorConfig = MonitorConfig()
     dist: DistConfig = DistConfig()  # the layout under torchrun (hybridtron.dist; pretraining's [dist])
 
-    def sections(self) -> dict:
-        return {"sft": self.sft, "train": self.train, "monitor": self.monitor, "dist": self.dist}
-
-    def to_dict(self) -> dict:
-        from hybridtron.train.config import _plain
-
-        return {"base_model": self.base_model, "data": self.data, "model": self.model.to_hf(),
-                **{name: _plain(section) for name, section in self.sections().items()}}
-
-    def save(self, path: str | Path) -> None:
-        from hybridtron.files import atomic_write_json
-
-        atomic_write_json(path, self.to_dict())
-
-    def to_toml(self) -> str:
-        """[sft], [train], [monitor] and [dist] as TOML that `--config` reads back; [model] is the checkpoint's."""
-        from hybridtron.train.run import sections_toml
-
-        return (f"# hybridtron sft --model {self.base_model} --data {self.data}\n"
-                f"# [model] is {self.base_model}/config.json, fixed by --model\n\n"
-                + sections_toml(self.sections()))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "SFTRunConfig":
-        from hybridtron.train.config import TrainConfig, _build, read_run_config
-        from hybridtron.train.monitor.config import MonitorConfig
-
-        raw = read_run_config(path, ("base_model", "data", "model", "sft", "train"), "an SFT run")
-        return cls(base_model=raw["base_model"], data=raw["data"], model=ModelConfig.from_hf(raw["model"]),
-                   sft=_build(SFTConfig, raw["sft"], "sft"), train=_build(TrainConfig, raw["train"], "train"),
-                   monitor=_build(MonitorConfig, raw.get("monitor", {}), "monitor"),
-                   dist=_build(DistConfig, raw.get("dist", {}), "dist"))
-
-
-def default_sections() -> dict:
-    from hybridtron.train.config import TrainConfig
-    from hybridtron.train.monitor.config import MonitorConfig
-
-    return {"sft": SFTConfig(), "train": TrainConfig(**SFT_TRAIN), "monitor": MonitorConfig(), "dist": DistConfig()}
-
-
-def _same_source(given: str, kept: str) -> bool:
-    if given.startswith(ENV_PREFIX) or kept.startswith(ENV_PREFIX):
-        return given == kept
-    return Path(given).resolve() == Path(kept).resolve()
-
-
-def resolve_config(args) -> SFTRunConfig:
-    """defaults (or, with --resume, the run's saved config; or a run's run_config.json as --config) <- the TOML
-    file <- --set overrides <- --steps. [model] is read from --model and cannot be set."""
-    from hybridtron.train.run import merge_sections, saved_config_file, step_overrides
-
-    toml_path, base = args.config, None
-    if args.resume:
-        if toml_path is not None and Path(toml_path).suffix == ".json":
-            raise ValueError("--resume continues with the run's own run_config.json; --config then takes a TOML "
-                             "file of changes")
-        base = SFTRunConfig.load(saved_config_file(args))
-        for flag, given, kept in (("--model", args.model, base.base_model), ("--data", args.data, base.data)):
-            if given is not None and not _same_source(given, kept):
-                raise ValueError(f"--resume: {flag} {given} is not the run's ({kept}, in {args.out}/run_config.json); "
-                                 f"resume with the run's {flag}, or start a new run in another --out")
-        base_model, data = base.base_model, base.data
-    else:
-        for flag, value in (("--model", args.model), ("--data", args.data)):
-            if not value:
-                raise ValueError(f"{flag} is required (see hybridtron sft --help)")
-        base_model, data = args.model, args.data
-        if toml_path is not None and Path(toml_path).suffix == ".json":  # a run's own run_config.json
-            if not Path(toml_path).is_file():
-                raise FileNotFoundError(f"{toml_path}: config file not found")
-            base, toml_path = SFTRunConfig.load(toml_path), None
-    model = ModelConfig.from_hf(base_model)
-    if args.resume and model != base.model:
-        raise ValueError(f"--resume: {base_model}/config.json changed since the run started; the run fine-tunes the "
-                         f"model it began with (see {args.out}/run_config.json)")
-    sections = merge_sections(base.sections() if base is not None else default_sections(), toml_path,
-                              step_overrides(args), fixed={"model": MODEL_FIXED})
-    return SFTRunConfig(base_model=base_model, data=data, model=model, **sections)
+    def command_line(self) -> str:
+        return f"hybridtron sft --model {self.base_model} --data {self.data}"
 
 
 # ------------------------------------------------------------------------------------------------- loss
@@ -200,8 +129,6 @@ def sft_loss(logits_BTV, labels_BT, global_count: int):
     that divisor: dividing by each micro-batch's count weighs the tokens of sparse micro-batches more and makes the
     gradient depend on grad_accum (hybridtron.post.losses.token_mean says the same for GRPO). Every trained token
     weighs the same, so a long answer counts more than a short one, as in Tulu 3's sum-then-normalise."""
-    from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy
-
     count = int((labels_BT != IGNORE_INDEX).sum())
     if count == 0:  # nothing trained in this micro-batch: a zero that still has a gradient (of zeros)
         return logits_BTV.sum() * 0.0
@@ -230,10 +157,6 @@ class SFTObjective:
         self.micro_batches = 1
 
     def begin_step(self, micro_batches):
-        import torch
-
-        from hybridtron.train.objectives import target_counts
-
         counts = torch.stack([target_counts(labels_BT, self.mtp_depths, input_ids.shape[1])
                               for input_ids, labels_BT, *_ in micro_batches]).sum(0)
         if self.data_sum is not None:  # one all-reduce a step
@@ -242,8 +165,6 @@ class SFTObjective:
         self.micro_batches = len(micro_batches)
 
     def __call__(self, model, micro_batch):
-        from hybridtron.train.objectives import router_counts
-
         input_ids, labels, *following = micro_batch  # under CP a share: its labels run on past its ids
         ahead = {"following_ids": following[0]} if following else {}
         out = model(input_ids, **ahead)  # logits, the MTP depths' logits, expert counts; the loss is ours
@@ -251,21 +172,11 @@ class SFTObjective:
         result.tokens, result.expert_counts = input_ids.numel(), router_counts(model, out)
         return result
 
-    @staticmethod
-    def stage_inputs(micro_batch):
-        """Under PP: what the stages read of a micro-batch (`train.objectives.token_stage_inputs`)."""
-        from hybridtron.train.objectives import token_stage_inputs
-
-        return token_stage_inputs(micro_batch)
+    stage_inputs = staticmethod(token_stage_inputs)  # under PP: what the stages read of a micro-batch
 
     def loss_from_outputs(self, model, outputs, micro_batch):
         """The loss of one micro-batch from its logits, `outputs` = (logits, *each MTP depth's logits) (also what
         a pipeline's last stage calls; the expert counts are then the pipeline's to collect)."""
-        import torch
-
-        from hybridtron.ops.cross_entropy import IGNORE_INDEX
-        from hybridtron.train.objectives import ObjectiveOutput, window_targets
-
         labels_BT = micro_batch[1]
         logits, *mtp_logits = outputs
         length = logits.shape[1]  # under CP `labels_BT` runs past the share (window_targets)
@@ -279,74 +190,15 @@ class SFTObjective:
         scale = self.micro_batches
         trained = (targets != IGNORE_INDEX).sum().double()
         metrics = {"loss": loss.detach() * scale, "lm_loss": lm_loss.detach() * scale,
-                   **{f"mtp_loss_{d}": m.detach() * scale for d, m in enumerate(mtp_losses, start=1)},
                    "trained_tokens": trained * scale}
-        return ObjectiveOutput(loss, metrics, targets.numel())
-
-
-class HeldOutLoss:
-    """An evaluator (hybridtron.train.evaluate): the masked next-token CE of the held-out conversations, summed
-    over their trained tokens and divided by their count (not a mean of batch means: batches hold different
-    numbers of assistant tokens). The MTP depths apart, as pretraining's `ValidationLoss`.
-
-    `sum_over_shares` (context parallelism: each rank holds a share of every batch's positions): sums a tensor over
-    the ranks sharing the batches, so that the CE sum and the count are those of the whole conversations."""
-
-    key = "val_loss"
-
-    def __init__(self, batches, every: int, sum_over_shares=None):
-        self.batches, self.every, self.sum_over_shares = batches, every, sum_over_shares
-        self.history: list[tuple[int, float]] = []
-
-    def due(self, step: int, total_steps: int) -> bool:
-        return step % self.every == 0 or step == total_steps
-
-    def evaluate(self, trainer) -> dict[str, float]:
-        import torch
-
-        from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum_and_count
-
-        model = trainer.model
-        was_training = model.training
-        model.eval()
-        parallel = getattr(trainer, "parallel", None)
-        pipeline = parallel.pipeline if parallel is not None else None  # pp > 1: stage by stage
-        device = parallel.device if parallel is not None else None
-        share_sum = self.sum_over_shares or (lambda tensor: tensor)
-        total, count = 0.0, 0.0
-        with torch.no_grad():
-            for input_ids, labels in self.batches:
-                if device is not None:
-                    input_ids, labels = input_ids.to(device), labels.to(device)
-                with trainer.autocast():
-                    if pipeline is not None:  # the mean over the batch (all its shares), known to every stage
-                        n = float(share_sum((labels != IGNORE_INDEX).sum().double()))
-                        ce_sum = pipeline.lm_loss(input_ids, labels, self.sum_over_shares) * n
-                    else:
-                        ce_sum, n = share_sum(cross_entropy_sum_and_count(model(input_ids, mtp=False).logits,
-                                                                          labels)).tolist()
-                total, count = total + ce_sum, count + n
-        model.train(was_training)
-        value = total / count
-        self.history.append((trainer.step, value))
-        return {self.key: value}
-
-    def state_dict(self):
-        return {"history": list(self.history)}
-
-    def load_state_dict(self, state):
-        self.history = [tuple(x) for x in state["history"]]
+        return ObjectiveOutput(loss, metrics, targets.numel(), mtp_losses=[m.detach() * scale for m in mtp_losses])
 
 
 # ------------------------------------------------------------------------------------------------- data
 def load_conversations(source: str, config: SFTConfig) -> list[dict]:
     """The conversations of `--data`: a JSONL file, a directory of them, or `env:NAME` (its SFT examples)."""
-    from hybridtron.data.sft import conversations_from
-
     if not source.startswith(ENV_PREFIX):
         return conversations_from(source)
-    from hybridtron.post.envs import get_env
-
     name = source[len(ENV_PREFIX):]
     options = {"levels": config.env_levels} if config.env_levels else {}
     try:
@@ -362,18 +214,9 @@ def load_conversations(source: str, config: SFTConfig) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------- the run
-def build_trainer(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, stream=None):
-    """The SFT run of `config` in `out`: the model of --model with its chat tokenizer, the data, the trainer.
-    Returns (trainer, tokenizer)."""
+def build_sft(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, stream=None) -> BuiltRun:
+    """The SFT run of `config` in `out`: the model of --model with its chat tokenizer, the data, the trainer."""
     stream = sys.stderr if stream is None else stream  # the stderr of the moment, not of import time
-    import torch
-
-    from hybridtron.checkpoint import load_pretrained
-    from hybridtron.data.chat import load_chat_tokenizer
-    from hybridtron.data.sft import build_sft_data
-    from hybridtron.dist.step import held_out_shares
-    from hybridtron.train.run import assemble_trainer, prepare_process, start_parallel
-
     train, sft = config.train, config.sft
     model_config = config.model
     if train.mtp_loss_weight is not None:
@@ -400,42 +243,36 @@ def build_trainer(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, 
     trainer = assemble_trainer(model, objective, data.train_loader, evaluators, train=train,
                                monitor_config=config.monitor, out=out, checkpoints=checkpoints, quiet=quiet,
                                stream=stream, parallel=parallel)
-    return trainer, tokenizer
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from hybridtron.train.run import add_run_arguments
-
-    parser.add_argument("--model", help="the model to fine-tune: an HF checkpoint directory with its tokenizer files "
-                                        "(e.g. runs/quickstart/hf; required unless --resume)")
-    parser.add_argument("--data", help="conversations: a .jsonl file ({\"messages\": [...]} a line), a directory of "
-                                       ".jsonl files, or env:NAME for an environment's worked solutions (env:math, "
-                                       "env:code; required unless --resume)")
-    add_run_arguments(parser, sections="[sft], [train], [monitor] and [dist]", default_steps=SFT_TRAIN["steps"],
-                      set_example="--set sft.train_on_thinking=true --set train.lr=1e-4",
-                      config_default="SFT's defaults", quiet_help="no data summary and no progress bar")
+    return BuiltRun(trainer, tokenizer)
 
 
 def check_layout(config: SFTRunConfig) -> None:
     """The run's [dist] layout on this torchrun world, before anything is written: a ValueError with the reason."""
-    from hybridtron.dist.mesh import check_run_layout, world_from_env
-
     check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=config.sft.batch_size,
                      grad_accum=config.train.grad_accum, seq_len=config.sft.seq_len, context_parallel=True)
 
 
-def run(args) -> int:
-    from hybridtron.train.run import finish_run, train_in_run_dir
+class SFT(RunCommand):
+    name = "sft"
+    config_class = SFTRunConfig
+    default_steps = SFT_TRAIN["steps"]
+    set_example = "--set sft.train_on_thinking=true --set train.lr=1e-4"
+    quiet_help = "no data summary and no progress bar"
+    inputs = (Input("--model", "base_model", "the model to fine-tune: an HF checkpoint directory with its tokenizer "
+                                             "files (e.g. runs/quickstart/hf)"),
+              Input("--data", "data", "conversations: a .jsonl file ({\"messages\": [...]} a line), a directory of "
+                                      ".jsonl files, or env:NAME for an environment's worked solutions (env:math, "
+                                      "env:code)"))
 
-    config = resolve_config(args)
-    if args.print_config:
-        print(config.to_toml(), end="")
-        return 0
-    check_layout(config)
-    result = train_in_run_dir(args, config, SFTRunConfig.load, lambda out, checkpoints: build_trainer(
-        config, out, checkpoints, quiet=args.quiet))
-    if result is None:  # the run in --out was already complete
-        return 0
-    trainer, tokenizer = result
-    finish_run(trainer, Path(args.out), tokenizer, config.model.max_position_embeddings)
-    return 0
+    def default_config(self, args, inputs):
+        return SFTRunConfig(model=ModelConfig.from_hf(inputs["base_model"]), **inputs)
+
+    def check(self, config):
+        check_layout(config)
+
+    def build(self, config, out, checkpoints, *, quiet):
+        return build_sft(config, out, checkpoints, quiet=quiet)
+
+
+COMMAND = SFT()
+add_arguments, run = COMMAND.add_arguments, COMMAND.run

@@ -4,7 +4,7 @@ scores the student's rollouts.
 - `TeacherPanel`: a static map domain -> teacher checkpoint (`--teachers math=DIR,code=DIR`), with a general
   fallback (`--general DIR`: in Ultra's recipe the RLVR student itself) for a domain that has no teacher of its own.
   A domain with neither is an error, raised before anything trains (`check_domains`), never a silent skip.
-- `TeacherScoringRole`: the pipeline stage between rollout and learning (hybridtron.post.roles). For every
+- `TeacherScoringRole`: the pipeline stage between rollout and learning (hybridtron.post.rl.roles). For every
   rollout it runs the teacher of the rollout's domain over prompt + completion and stores the teacher's log-prob
   of each completion token in `Rollout.scores["teacher"]`, the log pi_T(y_t | s_t) of the MOPD advantage, and,
   for the top-K reverse KL (`top_k` > 0), the teacher's K most likely tokens at each position and their log-probs
@@ -12,7 +12,7 @@ scores the student's rollouts.
   teachers are frozen (eval mode, no gradients) and take no weights from the learner; rows are batched per
   teacher, sorted by length so that padding stays small (right padding: causal layers never see it).
 
-The teachers must share the student's tokenizer (they are made from the same base: the README's teacher recipes,
+The teachers must share the student's tokenizer (they are made from the same base: docs/post-training.md's teacher recipes,
 the math_teacher and code_teacher stages of `hybridtron pipeline`): their log-probs are of the student's token ids.
 The log-probs are taken at the rollouts' sampling temperature (1 by default), without the top-k / top-p filters:
 a filtered teacher would give -inf to any token outside its nucleus.
@@ -28,7 +28,12 @@ from pathlib import Path
 
 import torch
 
-from hybridtron.post.rollout import Rollout, ScoringRole, completion_scores, rollout_rows
+from hybridtron.checkpoint import load_pretrained
+from hybridtron.data.chat import load_chat_tokenizer
+from hybridtron.eval.tasks import evaluate_env
+from hybridtron.post.rl.batches import rollout_rows
+from hybridtron.post.rl.objective import sampled_logprobs
+from hybridtron.post.rl.rollout import Rollout, ScoringRole, completion_scores
 
 
 def teacher_answers(teacher_dir: str | Path, env, tasks, *, temperature: float, max_tokens: int, seed: int,
@@ -38,10 +43,6 @@ def teacher_answers(teacher_dir: str | Path, env, tasks, *, temperature: float, 
     at `temperature`: its first try at each task or, `verified`, the first of its `tries` that `env` scores 1
     (rejection sampling), a task it never solves left out (a ValueError if it solves none). A completion cut at
     `max_tokens` stands as it is."""
-    from hybridtron.checkpoint import load_pretrained
-    from hybridtron.data.chat import load_chat_tokenizer
-    from hybridtron.post.evaluate import evaluate_env
-
     tasks = list(tasks)
     if not tasks:
         return []
@@ -136,15 +137,13 @@ class TeacherScoringRole(ScoringRole):
     """Adds `scores["teacher"]` (and with `top_k` > 0 the teacher's top-K tokens) to every rollout of a batch (see
     the module docstring), each scored by the teacher of its domain. Built from plain values: the panel's `teachers`
     and `general`, the rollouts' `temperature`, `batch_size` rows per forward, and `top_k`; `share`: see
-    `rollout.ScoringRole`."""
+    `hybridtron.post.rl.rollout.ScoringRole`."""
 
     name = TEACHER_ROLE
     seconds_key = "teacher_seconds"
 
     def __init__(self, *, teachers: dict[str, str], general: str | None, temperature: float = 1.0,
                  batch_size: int = 16, threads: int = 0, top_k: int = 0, share=None):
-        from hybridtron.checkpoint import load_pretrained
-
         super().__init__(batch_size=batch_size, share=share)
         if threads:
             torch.set_num_threads(threads)
@@ -162,8 +161,6 @@ class TeacherScoringRole(ScoringRole):
     def score(self, model, rollouts: list[Rollout]) -> None:
         """The teacher's log-prob of each completion token, into each rollout's scores (float32 [C]); with top_k, its
         top-K tokens at each completion position (int32 [C, K]) and their log-probs (float32 [C, K])."""
-        from hybridtron.post.grpo import sampled_logprobs
-
         rows = rollout_rows(rollouts, model.config.pad_token_id or 0)
         logits = model(rows.input_ids, mtp=False).logits
         completion_scores(rollouts, TEACHER_SCORE, sampled_logprobs(logits, rows.labels, self.temperature))

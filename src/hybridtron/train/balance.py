@@ -51,7 +51,7 @@ class ExpertBalance:
 
     def measure(self, counts: dict[str, torch.Tensor]) -> dict[str, float]:
         """Reduce this step's counts over the data-parallel ranks (once, for MaxVio and the update alike) and return
-        each router's MaxVio over the window."""
+        each router's MaxVio over the window, by router name."""
         if not self.names:
             return {}
         counts_RE = torch.stack([counts[name] for name in self.names])
@@ -60,7 +60,7 @@ class ExpertBalance:
         self.step_counts = counts_RE
         self.window.append(counts_RE)
         values = max_violation(torch.stack(list(self.window)).sum(0)).tolist()
-        return {f"maxvio/{name}": round(value, 4) for name, value in zip(self.names, values)}
+        return {name: round(value, 4) for name, value in zip(self.names, values)}
 
     def update(self, biases: list[torch.Tensor]) -> None:
         """Move every router's bias by this step's counts (after an applied update only)."""

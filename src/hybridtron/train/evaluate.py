@@ -1,19 +1,27 @@
-"""Evaluators: what the trainer measures on held-out data at step 0, every `every` steps and at the end.
+"""Held-out cross entropy: the one computation behind every validation loss (pretraining's, SFT's, the pipeline's
+stage evaluation), and the `Evaluator` protocol the trainer runs at step 0, every `every` steps and at the end.
 
 An evaluator returns named values for the step's metrics line and keeps its history (its `state_dict`), so the
-first and last values of a resumed run are those of the whole run. `ValidationLoss` is the held-out next-token CE
-(no MTP) that pretraining and SFT report.
+first and last values of a resumed run are those of the whole run. `HeldOutLoss` is the next-token CE of fixed
+held-out batches (the MTP depths apart), over their labelled tokens: packed pretraining rows (labels masked at
+document boundaries) and SFT conversations (labels only on the assistant's tokens) alike.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from hybridtron.ops.cross_entropy import cross_entropy_sum_and_count
+from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum_and_count
 
 
 class Evaluator:
+    key: str
     every: int
+
+    def __init__(self):
+        self.history: list[tuple[int, float]] = []  # (step, the value under `key`)
 
     def evaluate(self, trainer) -> dict[str, float]:
         raise NotImplementedError
@@ -22,51 +30,65 @@ class Evaluator:
         return step % self.every == 0 or step == total_steps
 
     def state_dict(self) -> dict:
-        return {}
+        return {"history": list(self.history)}
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def load_state_dict(self, state: dict) -> None:
+        self.history = [tuple(x) for x in state["history"]]
 
 
-class ValidationLoss(Evaluator):
-    """Mean `lm_loss` (CE of the next token, the MTP depths apart) over fixed validation batches.
+@torch.no_grad()
+def held_out_ce(model, batches, *, autocast=contextlib.nullcontext, pipeline=None, sum_over_shares=None,
+                device=None) -> list[tuple[float, float]]:
+    """(CE summed over the labelled next-token targets, their count) of each (input_ids, labels) batch, the MTP
+    depths apart; `model` is put in eval mode for the duration. `labels` are already shifted (labels[t] is what
+    position t predicts) and IGNORE_INDEX where nothing is scored.
 
-    `sum_over_shares` (context parallelism: each rank holds a share of every batch's positions): sums a tensor
-    over the ranks sharing the batches, so each batch's CE is the mean over all its shares' targets."""
+    `pipeline` (pp > 1): the batch runs stage by stage and its mean comes back to every stage. `sum_over_shares`
+    (context parallelism: each rank holds a share of every batch's positions): sums a tensor over the ranks sharing
+    the batches, so the sum and the count are those of the whole batch. `device`: where the batches go first."""
+    was_training = model.training
+    model.eval()
+    share_sum = sum_over_shares or (lambda tensor: tensor)
+    results = []
+    for input_ids, labels in batches:
+        if device is not None:
+            input_ids, labels = input_ids.to(device), labels.to(device)
+        with autocast():
+            if pipeline is not None:  # the mean over the batch (all its shares), known to every stage
+                count = float(share_sum((labels != IGNORE_INDEX).sum().double()))
+                results.append((pipeline.lm_loss(input_ids, labels, sum_over_shares) * count, count))
+            else:
+                ce_sum, count = share_sum(cross_entropy_sum_and_count(model(input_ids, mtp=False).logits,
+                                                                      labels)).tolist()
+                results.append((ce_sum, count))
+    model.train(was_training)
+    return results
+
+
+class HeldOutLoss(Evaluator):
+    """`val_loss`: the held-out next-token CE over the labelled tokens of fixed batches, summed and divided by
+    their count (an SFT batch holds as many assistant tokens as its conversations have, so batches weigh by their
+    tokens). `per_batch_mean`: instead the mean of each batch's own mean, pretraining's definition since its first
+    run (its figures in BENCHMARKS.md and the golden curve's step-0 loss are of that kind).
+
+    `sum_over_shares` (context parallelism): see `held_out_ce`."""
 
     key = "val_loss"
 
-    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], every: int, sum_over_shares=None):
+    def __init__(self, batches, every: int, sum_over_shares=None, *, per_batch_mean: bool = False):
+        super().__init__()
         self.batches, self.every, self.sum_over_shares = batches, every, sum_over_shares
-        self.history: list[tuple[int, float]] = []
+        self.per_batch_mean = per_batch_mean
 
-    @torch.no_grad()
     def evaluate(self, trainer) -> dict[str, float]:
-        model = trainer.model
-        was_training = model.training
-        model.eval()
-        total = 0.0
-        parallel = getattr(trainer, "parallel", None)
-        pipeline = parallel.pipeline if parallel is not None else None  # pp > 1: stage by stage
-        for input_ids, labels in self.batches:
-            with trainer.autocast():
-                if pipeline is not None:
-                    total += pipeline.lm_loss(input_ids, labels, self.sum_over_shares)
-                elif self.sum_over_shares is not None:
-                    total += self._shared_lm_loss(model, input_ids, labels)
-                else:
-                    total += float(model(input_ids, labels, mtp=False).lm_loss)
-        model.train(was_training)
-        value = total / len(self.batches)
+        parallel = trainer.parallel
+        results = held_out_ce(trainer.model, self.batches, autocast=trainer.autocast,
+                              pipeline=parallel.pipeline if parallel is not None else None,
+                              sum_over_shares=self.sum_over_shares,
+                              device=parallel.device if parallel is not None else None)
+        if self.per_batch_mean:
+            value = sum(ce_sum / count for ce_sum, count in results) / len(results)
+        else:
+            value = sum(ce_sum for ce_sum, _ in results) / sum(count for _, count in results)
         self.history.append((trainer.step, value))
         return {self.key: value}
-
-    def _shared_lm_loss(self, model, input_ids, labels) -> float:
-        ce_sum, count = self.sum_over_shares(cross_entropy_sum_and_count(model(input_ids, mtp=False).logits,
-                                                                         labels)).tolist()
-        return ce_sum / count
-
-    def state_dict(self):
-        return {"history": list(self.history)}
-
-    def load_state_dict(self, state):
-        self.history = [tuple(x) for x in state["history"]]

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridtron.files import METRICS_FILE, ROLLED_BACK_FILE
+
 if TYPE_CHECKING:  # a hook module stays light: `hybridtron branch --help` imports it to subclass Hook
     from hybridtron.train.monitor.recovery import Decision
     from hybridtron.train.stats import StepStats
@@ -56,7 +58,7 @@ class MetricsLogger(Hook):
 
     def __init__(self, run_dir: Path, every: int = 1):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = self.run_dir / METRICS_FILE
         self.every = every
         self.tensorboard = None
         try:
@@ -93,8 +95,6 @@ class MetricsLogger(Hook):
     def on_rollback(self, trainer, bad_step, target_step, rollback):
         """Move the lines of the abandoned steps (past `target_step`) to metrics.rolled_back.jsonl, side file first:
         a crash in between duplicates lines there rather than losing them."""
-        from hybridtron.train.monitor.recovery import ROLLED_BACK_FILE
-
         if not self.path.exists():
             return
         kept, moved = [], []

@@ -1,4 +1,5 @@
-"""The training loop: one `Trainer` for every objective (pretraining; SFT, GRPO and MOPD in hybridtron.post).
+"""The training loop: one `Trainer` for every objective (pretraining; SFT, GRPO, MOPD and MTP boosting in
+hybridtron.post).
 
 One optimizer step, as `Trainer.train` reads:
 
@@ -9,9 +10,13 @@ One optimizer step, as `Trainer.train` reads:
 4. the stability monitor judges the step: apply, skip, or roll back (hybridtron.train.monitor);
 5. if applied: AdamW with the warmup-stable-decay LR, then every router's bias moves toward balance;
 6. evaluations that are due, then the hooks observe the finished step (metrics, progress bar);
-7. a rollback is carried out here (`roll_back`), otherwise a checkpoint is written when due.
+7. a rollback is carried out here (`roll_back`), otherwise a checkpoint is written when due;
+8. a stop that a signal asked for (Ctrl-C, SIGTERM) is carried out: a checkpoint, then `RunInterrupted`;
+9. the batch source gets the weights the next batches are to be sampled with (`sync_weights`: in RL the rollout
+   role's policy; a data loader ignores them).
 
-Everything that decides what a step does is in this file; hooks only observe (hybridtron.train.hooks).
+Everything that decides what a step does is in this file; hooks only observe (hybridtron.train.hooks), and fault
+drills install themselves from outside (hybridtron.train.monitor.faults).
 
 Distributed (`parallel`, a `hybridtron.dist.mesh.Parallel`; the model parallelized by `hybridtron.dist.parallelize`,
 the batch source giving this rank's rows): every rank runs this same loop. The objective's metrics and token
@@ -26,21 +31,24 @@ import contextlib
 import copy
 import dataclasses
 import random
+import signal
 import time
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from hybridtron.checkpoint.dcp import CheckpointManager, saved_keys
+from hybridtron.checkpoint.dcp import CheckpointManager, saved_keys, step_of
 from hybridtron.dist.expert_parallel import dropped_shares
 from hybridtron.dist.state import checkpoint_state
 from hybridtron.dist.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics
+from hybridtron.errors import RunInterrupted
 from hybridtron.numerics.grad_accum import flush_main_grads, set_output_accumulation
 from hybridtron.numerics.linear import load_sr_generator_states, sr_generator_states
 from hybridtron.train.balance import ExpertBalance
 from hybridtron.train.config import TrainConfig
-from hybridtron.train.monitor import ANNEAL, Decision, NoMonitor
+from hybridtron.train.monitor import ANNEAL, RUN_EVENT, Decision, NoMonitor
+from hybridtron.train.objectives import ObjectiveOutput
 from hybridtron.train.schedule import WSDSchedule
 from hybridtron.train.stats import StepStats, group_norms, parameter_group
 
@@ -61,16 +69,16 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
 
 class Trainer:
     """`objective` and `batches`: see hybridtron.train.objectives. `checkpoints`: None trains without saving (and
-    so without rollbacks). `monitor` and `faults`: from `hybridtron.train.monitor.build_monitor`."""
+    so without rollbacks). `monitor`: from `hybridtron.train.monitor.build_monitor` (default: none). `hooks` observe
+    (hybridtron.train.hooks); `evaluators` measure held-out data (hybridtron.train.evaluate)."""
 
     def __init__(self, model, objective, batches, config: TrainConfig, checkpoints: CheckpointManager | None, *,
-                 hooks=(), evaluators=(), monitor=None, faults=None, parallel=None):
+                 hooks=(), evaluators=(), monitor=None, parallel=None):
         self.model, self.objective, self.batches, self.config = model, objective, batches, config
         self.parallel = parallel
         self.checkpoints = checkpoints
         self.hooks, self.evaluators = list(hooks), list(evaluators)
         self.monitor = monitor or NoMonitor()
-        self.faults = faults
         self.optimizer = build_optimizer(model, config)
         self.schedule = self.new_schedule()
         self.balance = ExpertBalance(list(model.routers()), config.router_bias_rate, config.maxvio_window,
@@ -78,6 +86,7 @@ class Trainer:
         self.step = 0
         # what rollbacks changed: kept when a rollback restores an older checkpoint, restored on resume
         self.adjustments = {"lr_scale": 1.0, "grad_accum_dtype": None}
+        self.stop_signal: int | None = None  # set by a signal handler (the run scaffold's): stop after this step
 
     def new_schedule(self) -> WSDSchedule:
         cfg = self.config
@@ -96,12 +105,12 @@ class Trainer:
     def train(self, until: int | None = None) -> None:
         """Train to the schedule's end, or to step `until` (a branch continuing a checkpoint for a window)."""
         self.start()
-        while self.step < (self.schedule.total_steps if until is None else until):
+        while self.step < self.last_step(until):
             stats = self.forward_backward()  # every micro-batch of the step: losses, tokens, expert counts
             self.clip_gradients(stats)  # norms before clipping, global and per parameter group
-            stats.signals.update(self.balance.measure(stats.expert_counts))  # MaxVio of every router
+            stats.maxvio = self.balance.measure(stats.expert_counts)  # MaxVio of every router
             if self.parallel is not None:  # each pipeline stage measured its own routers
-                stats.signals = self.parallel.merge_over_stages(stats.signals)
+                stats.maxvio = self.parallel.merge_over_stages(stats.maxvio)
             decision = self.monitor.judge(self, stats)  # apply / skip / rollback / anneal
             if self.parallel is not None:  # local signals may differ across ranks: rank 0 decides for all
                 decision = self.parallel.broadcast_object(decision)
@@ -121,54 +130,63 @@ class Trainer:
             elif self.checkpoints is not None and self.step % self.config.checkpoint_every == 0 \
                     and self.step < self.schedule.total_steps:
                 self.save_checkpoint()
+            if self.stop_requested():  # Ctrl-C or SIGTERM during the step: it finished; save and stop
+                self.interrupt()
+            if self.step < self.last_step(until):  # RL: the next batches are sampled with the policy of this step
+                self.batches.sync_weights(self.model, self.step, self.schedule.total_steps)
         self.finish()
+
+    def last_step(self, until: int | None) -> int:
+        return self.schedule.total_steps if until is None else until
 
     def forward_backward(self) -> StepStats:
         started, step = time.perf_counter(), self.step + 1
         self.monitor.begin_step(self, step)
-        if self.faults is not None:
-            self.faults.begin_step(step)
         micro_batches = self.batches.next_step()
         self.objective.begin_step(micro_batches)
-        metrics, tokens, counts = self.run_micro_batches(micro_batches)
+        outputs, tokens, counts = self.run_micro_batches(micro_batches)
         flush_main_grads(self.model)  # an output layer accumulating in grad_accum_dtype hands its gradient over
+        # each micro-batch's metrics and MTP depth losses (keyed by depth), averaged over the step's micro-batches
+        shares = [{**out.metrics, **dict(enumerate(out.mtp_losses, start=1))} for out in outputs]
         if self.parallel is None:
-            losses = dict(zip(metrics[0], torch.stack([torch.stack([m[key] for m in metrics]).mean()
-                                                       for key in metrics[0]]).tolist()))
+            values = dict(zip(shares[0], torch.stack([torch.stack([share[key] for share in shares]).mean()
+                                                      for key in shares[0]]).tolist()))
         else:  # this rank's shares -> the global batch's values, on every rank
-            losses, tokens = step_metrics(self.parallel, metrics, tokens)
-        stats = StepStats(step=step, lr=self.schedule.lr(self.step), losses=losses, tokens=tokens,
-                          expert_counts=counts, seconds=started)
+            values, tokens = step_metrics(self.parallel, shares, tokens)
+        mtp_losses = [values.pop(depth) for depth in sorted(key for key in values if isinstance(key, int))]
+        stats = StepStats(step=step, lr=self.schedule.lr(self.step), losses=values, mtp_losses=mtp_losses,
+                          tokens=tokens, expert_counts=counts, seconds=started)
         if self.parallel is not None:  # capacity-limited expert parallelism: the share of rows it dropped
             stats.signals.update(self.parallel.merge_over_stages(dropped_shares(self.model,
                                                                                 self.parallel.group("tokens"))))
         return stats
 
-    def run_micro_batches(self, micro_batches) -> tuple[list[dict], int, dict[str, torch.Tensor]]:
-        """Forward and backward of each micro-batch: (their metrics, tokens, expert counts per router). Under PP the
+    def run_micro_batches(self, micro_batches) -> tuple[list[ObjectiveOutput], int, dict[str, torch.Tensor]]:
+        """Forward and backward of each micro-batch: (their outputs, tokens, expert counts per router). Under PP the
         pipeline schedule runs them all (what its stages read of each: the objective's `stage_inputs`) and the
-        objective's loss runs on the last stage, on the micro-batch the schedule names by index."""
-        metrics, tokens, counts = [], 0, {}
+        objective's loss runs on the last stage, on the micro-batch the schedule names by index (the other stages
+        have no outputs)."""
+        outputs, tokens, counts = [], 0, {}
         pipeline = self.parallel.pipeline if self.parallel is not None else None
         if pipeline is not None:
-            def last_stage_loss(outputs, index):
-                out = self.objective.loss_from_outputs(self.model, outputs, micro_batches[int(index)])
-                metrics.append(out.metrics)
+            def last_stage_loss(stage_outputs, index):
+                out = self.objective.loss_from_outputs(self.model, stage_outputs, micro_batches[int(index)])
+                outputs.append(out)
                 return out.loss
 
             inputs = [self.objective.stage_inputs(micro_batch) for micro_batch in micro_batches]
             with self.autocast():
                 counts = pipeline.step(inputs, last_stage_loss)
-            return metrics, sum(mb.tokens for mb in inputs), counts
+            return outputs, sum(mb.tokens for mb in inputs), counts
         for micro_batch in micro_batches:
             with self.autocast():
                 out = self.objective(self.model, micro_batch)
             out.loss.backward()
-            metrics.append(out.metrics)
+            outputs.append(out)
             tokens += out.tokens
             for name, routed in out.expert_counts.items():
                 counts[name] = routed if name not in counts else counts[name] + routed
-        return metrics, tokens, counts
+        return outputs, tokens, counts
 
     def clip_gradients(self, stats: StepStats) -> None:
         """Record the global and per-group gradient norms, then clip to `grad_clip` by the global norm. A non-finite
@@ -189,13 +207,10 @@ class Trainer:
         stats.grad_norm = float(norm)
 
     def apply_update(self, stats: StepStats) -> None:
-        lr = stats.lr * (self.faults.lr_factor() if self.faults is not None else 1.0)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = stats.lr
         self.optimizer.step()
         self.balance.update(self.model.router_biases())
-        if self.faults is not None:
-            self.faults.after_update(self.model)
 
     def evaluate(self, due_only: bool) -> dict[str, float]:
         values = {}
@@ -208,8 +223,6 @@ class Trainer:
     def start(self) -> None:
         self.model.train()
         self.monitor.attach(self)
-        if self.faults is not None:
-            self.faults.attach(self.model)
         for hook in self.hooks:
             hook.on_train_start(self)
         fresh = self.step == 0 and (self.checkpoints is None or not self.checkpoints.list())
@@ -219,18 +232,53 @@ class Trainer:
                 hook.on_initial_evaluation(self, initial)
         if fresh and self.checkpoints is not None and self.monitor.config.enabled:
             self.save_checkpoint(blocking=True)  # the first rollback target
-        elif not fresh and self.monitor.events is not None:
-            self.monitor.events.write(self.step, "monitor", "resume", f"resumed at step {self.step}")
+        elif not fresh and self.events is not None:
+            self.events.abandon_after(self.step)  # a kill's unsaved steps run again: their events must not count twice
+            self.events.write(self.step, RUN_EVENT, "resume", f"resumed at step {self.step}")
         self.mark_good_checkpoints()
+        if self.step < self.schedule.total_steps:  # RL: the rollout role samples the first batches with these weights
+            self.batches.sync_weights(self.model, self.step, self.schedule.total_steps)
 
     def finish(self) -> None:
         if self.checkpoints is not None:
             self.save_checkpoint(blocking=True)
+        self.end_hooks()
+
+    def end_hooks(self) -> None:
         self.monitor.detach()
-        if self.faults is not None:
-            self.faults.detach()
         for hook in self.hooks:
             hook.on_train_end(self)
+
+    @property
+    def events(self):
+        """The run's event log (events.jsonl), or None for a trainer without a run directory."""
+        return self.monitor.events
+
+    # -------------------------------------------------------------------------------------- interruption
+    def stop_requested(self) -> bool:
+        """Whether a signal asked the run to stop; under torchrun any rank's signal stops every rank at the same
+        step (one all-reduce of a flag a step)."""
+        if self.parallel is None:
+            return self.stop_signal is not None
+        flag = torch.tensor([self.stop_signal or 0], device=self.parallel.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        self.stop_signal = int(flag) or None
+        return self.stop_signal is not None
+
+    def interrupt(self) -> None:
+        """Stop after the finished step: write a checkpoint of it (unless one exists), record the interruption and
+        raise `RunInterrupted`, which the command reports in one line."""
+        checkpoint = None
+        if self.checkpoints is not None:
+            latest = self.checkpoints.latest()
+            checkpoint = latest if latest is not None and step_of(latest) == self.step else \
+                self.save_checkpoint().result()  # the written checkpoint's path, once it is complete
+        name = signal.Signals(self.stop_signal).name
+        if self.events is not None:
+            self.events.write(self.step, RUN_EVENT, "interrupted", f"{name} received; stopped after step {self.step}"
+                              + (f", checkpoint {checkpoint}" if checkpoint is not None else ""))
+        self.end_hooks()
+        raise RunInterrupted(self.stop_signal, self.step, checkpoint)
 
     def mark_good_checkpoints(self) -> None:
         if self.checkpoints is not None:
@@ -262,7 +310,7 @@ class Trainer:
         self.apply_adjustments()
         for hook in self.hooks:
             hook.on_rollback(self, bad_step, self.step, decision.rollback)
-        self.monitor.events.write(
+        self.events.write(
             bad_step, "monitor", "annealed" if decision.action == ANNEAL else "rolled_back",
             f"step {bad_step} -> {decision.target.name}; skipped the data of steps {self.step + 1}-{bad_step}"
             + (f"; {', '.join(changes)}" if changes else ""),
@@ -309,7 +357,6 @@ class Trainer:
             "batches": self.batches.state_dict(),
             "balance": self.balance.state_dict(),
             "monitor": self.monitor.state_dict(),
-            "faults": self.faults.state_dict() if self.faults is not None else {},
             "adjustments": dict(self.adjustments),
             "hooks": {type(hook).__name__: hook.state_dict() for hook in self.hooks},
             "evaluators": {type(e).__name__: e.state_dict() for e in self.evaluators},
@@ -348,8 +395,6 @@ class Trainer:
         self.batches.load_state_dict(state["batches"])
         self.balance.load_state_dict(state["balance"])
         self.monitor.load_state_dict(state["monitor"], keep_history=rollback)
-        if self.faults is not None:
-            self.faults.load_state_dict(state["faults"])
         if not rollback:  # a resumed run keeps what its rollbacks changed
             self.adjustments = dict(state["adjustments"])
             self.apply_adjustments()

@@ -37,6 +37,7 @@ class ObjectiveOutput:
     metrics: dict[str, torch.Tensor]  # detached scalars; the trainer logs their mean over the micro-batches
     tokens: int  # tokens this micro-batch trained on
     expert_counts: dict[str, torch.Tensor] = field(default_factory=dict)  # router name -> tokens per expert
+    mtp_losses: list[torch.Tensor] = field(default_factory=list)  # detached, MTP depth d's loss at index d - 1
 
 
 class Objective(Protocol):
@@ -52,13 +53,23 @@ class Objective(Protocol):
     #   loss_from_outputs(model, outputs, micro_batch)     the loss on the last stage, from (logits, *MTP logits)
 
 
-class BatchSource(Protocol):
+class BatchSource:
+    """Gives the trainer each step's micro-batches. Subclasses define `next_step`, `state_dict` and
+    `load_state_dict`; a source whose batches depend on the model (RL rollouts) also `sync_weights`."""
+
     def next_step(self) -> list[Any]:
         """The micro-batches of the next optimizer step."""
+        raise NotImplementedError
 
-    def state_dict(self) -> dict: ...
+    def sync_weights(self, model, version: int, total_steps: int) -> None:
+        """The model's weights after optimizer step `version` (0: the start), which the next batches are to be
+        sampled with (RL: the rollout role's policy). Fixed data ignores them. `total_steps`: the run's last step."""
 
-    def load_state_dict(self, state: dict) -> None: ...
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
 
 
 def router_counts(model, out) -> dict[str, torch.Tensor]:
@@ -143,8 +154,9 @@ class PretrainObjective:
         lm_loss, *mtp_losses = [
             linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX)
             for hidden, targets in self._targets([out.hidden, *out.mtp_hidden], labels)]
-        loss, metrics = self._combine(model, lm_loss, mtp_losses, labels, input_ids.shape[1])
-        return ObjectiveOutput(loss / self.micro_batches, metrics, input_ids.numel(), router_counts(model, out))
+        loss, metrics, depth_losses = self._combine(model, lm_loss, mtp_losses, labels, input_ids.shape[1])
+        return ObjectiveOutput(loss / self.micro_batches, metrics, input_ids.numel(), router_counts(model, out),
+                               depth_losses)
 
     stage_inputs = staticmethod(token_stage_inputs)  # under PP: what the stages read
 
@@ -155,8 +167,9 @@ class PretrainObjective:
         labels = micro_batch[1]
         lm_loss, *mtp_losses = [self.cross_entropy(logits, targets)
                                 for logits, targets in self._targets(outputs, labels)]
-        loss, metrics = self._combine(model, lm_loss, mtp_losses, labels, outputs[0].shape[1])
-        return ObjectiveOutput(loss / self.micro_batches, metrics, outputs[0].shape[:2].numel(), expert_counts or {})
+        loss, metrics, depth_losses = self._combine(model, lm_loss, mtp_losses, labels, outputs[0].shape[1])
+        return ObjectiveOutput(loss / self.micro_batches, metrics, outputs[0].shape[:2].numel(), expert_counts or {},
+                               depth_losses)
 
     @staticmethod
     def _targets(outputs, labels):
@@ -164,28 +177,19 @@ class PretrainObjective:
         return [(output, window_targets(labels, depth, output.shape[1])) for depth, output in enumerate(outputs)]
 
     def _combine(self, model, lm_loss, mtp_losses, labels, length):
-        """The micro-batch's loss, CE + mtp_loss_weight x the mean of the MTP depths' CE, and its metrics; under
-        data parallelism this rank's share of them."""
+        """The micro-batch's loss, CE + mtp_loss_weight x the mean of the MTP depths' CE, its metrics and each
+        depth's loss (detached); under data parallelism this rank's share of them: each mean times local / global
+        valid targets."""
         if self.data_sum is not None:
-            return self._share(model, lm_loss, mtp_losses, labels, length)
+            local = target_counts(labels, len(mtp_losses), length).double()
+            weights = (local / self.global_counts.pop(0).to(local.device)).to(lm_loss.dtype)
+            lm_loss = lm_loss * weights[0]
+            mtp_losses = [loss * weights[d] for d, loss in enumerate(mtp_losses, start=1)]
         loss = lm_loss + model.config.mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
-        return loss, {"loss": loss.detach(), "lm_loss": lm_loss.detach(),
-                      **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(mtp_losses, start=1)}}
-
-    def _share(self, model, lm_loss, mtp_losses, labels, length):
-        """This rank's share of the micro-batch's loss and metrics: each mean times local / global valid targets."""
-        local = target_counts(labels, len(mtp_losses), length).double()
-        total = self.global_counts.pop(0).to(local.device)
-        weights = (local / total).to(lm_loss.dtype)
-        lm = lm_loss * weights[0]
-        mtp = [loss * weights[d] for d, loss in enumerate(mtp_losses, start=1)]
-        loss = lm + model.config.mtp_loss_weight * torch.stack(mtp).mean() if mtp else lm
-        metrics = {"loss": loss.detach(), "lm_loss": lm.detach(),
-                   **{f"mtp_loss_{d}": m.detach() for d, m in enumerate(mtp, start=1)}}
-        return loss, metrics
+        return loss, {"loss": loss.detach(), "lm_loss": lm_loss.detach()}, [m.detach() for m in mtp_losses]
 
 
-class LoaderBatches:
+class LoaderBatches(BatchSource):
     """`grad_accum` micro-batches per step from a resumable loader of (input_ids, labels) pairs."""
 
     def __init__(self, loader, grad_accum: int):

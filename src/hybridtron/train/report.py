@@ -204,7 +204,7 @@ def _last_sample(data: RunData, prefix: str) -> dict[str, float]:
 
 
 # ================================================================================================== plots
-def _figure(height: float = 3.2):
+def new_figure(height: float = 3.2):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -212,7 +212,7 @@ def _figure(height: float = 3.2):
     return plt, figure, axes
 
 
-def _png(plt, figure) -> str:
+def figure_png(plt, figure) -> str:
     buffer = io.BytesIO()
     figure.tight_layout()
     figure.savefig(buffer, format="png")
@@ -237,13 +237,13 @@ def _finish_log_plot(axes, data: RunData, empty_note: str, ylabel: str) -> None:
     _event_lines(axes, data)
     axes.set_xlabel("step")
     axes.set_ylabel(ylabel)
-    _legend_beside(axes)
+    legend_beside(axes)
 
 
 LEGEND_ROWS = 12  # entries per legend column beside a 3.6-inch plot
 
 
-def _legend_beside(axes, **options) -> None:
+def legend_beside(axes, **options) -> None:
     """The legend to the right of the axes, outside the data (the figure's tight layout makes room for it)."""
     entries = len(options.get("handles") or axes.get_legend_handles_labels()[0])
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=7,
@@ -285,8 +285,13 @@ def loss_smoothing_window(points: int) -> int:
     return max(3, round(points / 12)) // 2 * 2 + 1 if points >= 12 else 1
 
 
+def point_markers(points: int) -> dict:
+    """Markers for a series too short to draw as a line (a run of one or two steps: a stage of the micro pipeline)."""
+    return {"marker": "o"} if points < 3 else {}
+
+
 def plot_losses(data: RunData) -> str:
-    plt, figure, axes = _figure(3.6)
+    plt, figure, axes = new_figure(3.6)
     keys = [k for k in ("loss", "lm_loss") if data.steps(k)[0]] + data.keys("mtp_loss_")
     window = loss_smoothing_window(max((len(data.steps(k)[0]) for k in keys), default=0))
     for index, key in enumerate(keys):
@@ -296,7 +301,7 @@ def plot_losses(data: RunData) -> str:
             axes.plot(steps, values, color=color, linewidth=0.6, alpha=0.25)
             axes.plot(steps, centered_mean(values, window), label=key, color=color, linewidth=1.4)
         else:
-            axes.plot(steps, values, label=key, color=color, linewidth=1)
+            axes.plot(steps, values, label=key, color=color, linewidth=1, **point_markers(len(steps)))
         old_steps, old_values = data.steps(key, data.rolled_back)
         if old_steps:
             axes.plot(old_steps, old_values, ".", color=color, alpha=0.3, markersize=3)
@@ -310,14 +315,14 @@ def plot_losses(data: RunData) -> str:
         axes.set_xlabel("step")
         axes.set_ylabel("cross-entropy (nats)")
         title = f"lines: centered mean\nof {window} steps;\nfaint: each step" if window > 1 and keys else None
-        _legend_beside(axes, title=title, title_fontsize=7)
+        legend_beside(axes, title=title, title_fontsize=7)
         if data.rolled_back:
             axes.set_title("dots: steps abandoned by a rollback", fontsize=9)
-    return _png(plt, figure)
+    return figure_png(plt, figure)
 
 
 def plot_grad_norms(data: RunData) -> str:
-    plt, figure, axes = _figure(3.6)
+    plt, figure, axes = new_figure(3.6)
     layers = [k for k in data.keys("wgrad_norm/") if k != "wgrad_norm/lm_head"]
     for index, key in enumerate(layers):
         steps, values = data.steps(key)
@@ -328,17 +333,17 @@ def plot_grad_norms(data: RunData) -> str:
         if steps:
             axes.plot(steps, values, color=color, linewidth=1.4, label=key)
     _finish_log_plot(axes, data, "no gradient norms logged yet", "L2 norm (before clipping)")
-    return _png(plt, figure)
+    return figure_png(plt, figure)
 
 
 def plot_maxvio(data: RunData) -> str:
     import numpy as np
     keys = data.keys("maxvio/")
-    plt, figure, axes = _figure(1.2 + 0.45 * max(len(keys), 2))
+    plt, figure, axes = new_figure(1.2 + 0.45 * max(len(keys), 2))
     rows = [r for r in data.metrics if any(k in r for k in keys)]
     if not rows:
         _note(axes, "no MaxVio logged (no MoE layer, or no step yet)")
-        return _png(plt, figure)
+        return figure_png(plt, figure)
     grid = np.array([[float(r.get(k, float("nan"))) for r in rows] for k in keys])
     steps = [r["step"] for r in rows]
     bound = data.bound or float(np.nanmax(grid))
@@ -352,30 +357,30 @@ def plot_maxvio(data: RunData) -> str:
     colorbar.set_label(f"MaxVio (bound E/K = {bound:.4g})")
     axes.set_title(f"max load / mean load per router; 1 = balanced, {bound:.4g} = every token on the same "
                    f"experts", fontsize=9)
-    return _png(plt, figure)
+    return figure_png(plt, figure)
 
 
 def plot_residual(data: RunData) -> str:
-    plt, figure, axes = _figure(3.4)
+    plt, figure, axes = new_figure(3.4)
     keys = data.keys("residual_rms/")
     for index, key in enumerate(keys):
         steps, values = data.steps(key)
         axes.plot(steps, values, ".-", linewidth=1, markersize=3, label=f"layer {key.split('/')[1]}",
                   color=plt.cm.plasma(index / max(len(keys) - 1, 1)))
     _finish_log_plot(axes, data, "no residual RMS sampled yet (monitor.residual_every)", "residual stream RMS")
-    return _png(plt, figure)
+    return figure_png(plt, figure)
 
 
 def plot_underflow(data: RunData) -> str:
     """A heatmap, quantized module x sampled step: a real model has hundreds of quantized GEMMs."""
     import numpy as np
     keys = data.keys("underflow/")
-    plt, figure, axes = _figure(1.4 + 0.16 * max(len(keys), 6))
+    plt, figure, axes = new_figure(1.4 + 0.16 * max(len(keys), 6))
     rows = [r for r in data.metrics if any(k in r for k in keys)]
     if not rows:
         precision = data.config.get("train", {}).get("precision", "unknown")
         _note(axes, f"not an NVFP4 run (train.precision = {precision}): no quantized module to report")
-        return _png(plt, figure)
+        return figure_png(plt, figure)
     grid = 100 * np.array([[float(r.get(k, float("nan"))) for r in rows] for k in keys])
     image = axes.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", vmin=0)
     axes.set_yticks(range(len(keys)))
@@ -386,7 +391,7 @@ def plot_underflow(data: RunData) -> str:
     axes.set_xticklabels([steps[i] for i in ticks])
     axes.set_xlabel("step (sampled)")
     figure.colorbar(image, ax=axes).set_label("% of non-zero values flushed to 0")
-    return _png(plt, figure)
+    return figure_png(plt, figure)
 
 
 def plot_balance_and_updates(data: RunData) -> str:
@@ -413,11 +418,11 @@ def plot_balance_and_updates(data: RunData) -> str:
             _note(axes, "not logged yet")
     if ratio_axes.lines:
         ratio_axes.set_yscale("log")
-    return _png(plt, figure)
+    return figure_png(plt, figure)
 
 
 def plot_events(data: RunData) -> str:
-    plt, figure, axes = _figure(2.6)
+    plt, figure, axes = new_figure(2.6)
     detectors = sorted({e.get("detector", "?") for e in data.events})
     for event in data.events:
         color, marker = ACTION_STYLE.get(event.get("action"), ("#444444", "o"))
@@ -433,10 +438,10 @@ def plot_events(data: RunData) -> str:
         axes.set_xlabel("step")
         axes.grid(axis="x", alpha=0.3)
         seen = sorted({e.get("action") for e in data.events})
-        _legend_beside(axes, handles=[axes.scatter([], [], color=ACTION_STYLE.get(a, ("#444444", "o"))[0],
+        legend_beside(axes, handles=[axes.scatter([], [], color=ACTION_STYLE.get(a, ("#444444", "o"))[0],
                                                    marker=ACTION_STYLE.get(a, ("#444444", "o"))[1], label=a)
                                       for a in seen])
-    return _png(plt, figure)
+    return figure_png(plt, figure)
 
 
 def plot_rl(data: RunData) -> str:
@@ -459,8 +464,9 @@ def plot_rl(data: RunData) -> str:
         for key in keys:
             steps, values = data.steps(key)
             if steps:
-                style = "o-" if key.startswith(("pass_at_1", "eval_")) else "-"
-                axes.plot(steps, values, style, linewidth=1, markersize=3, label=key)
+                evaluated = key.startswith(("pass_at_1", "eval_"))
+                axes.plot(steps, values, "o-" if evaluated else "-", linewidth=1, markersize=3, label=key,
+                          **({} if evaluated else point_markers(len(steps))))
         axes.set_title(title, fontsize=9)
         if axes.lines:
             axes.set_xlabel("step")
@@ -475,7 +481,7 @@ def plot_rl(data: RunData) -> str:
         twin = speed.twinx()
         twin.plot(steps, values, color="#777777", linestyle=":", linewidth=1)
         twin.set_ylabel("MTP acceptance length (dotted)", fontsize=8)
-    return _png(plt, figure)
+    return figure_png(plt, figure)
 
 
 PLOTS = (

@@ -1,65 +1,389 @@
-"""Run directories and sectioned configurations: what every training command (`hybridtron pretrain`,
-`hybridtron sft`, ...) does the same way.
+"""The run scaffold: what every training command (`pretrain`, `sft`, `grpo`, `mopd`, `mtp-boost`, `branch`, and the
+pipeline's stages) does around its trainer, written once. A command is a `RunCommand` that declares its
+configuration class, its inputs (`--model`, `--data`, ...), its defaults, its checks and how to build its trainer;
+this module gives it the rest:
 
-A run directory holds everything its run makes: `run_config.json` (the resolved configuration, which `--config`
-reads back), `metrics.jsonl`, `events.jsonl`, `checkpoints/` (DCP) and `hf/` (the final model). Its rules:
-
-- a run that trained to its last step and wrote its HF export is complete: the same command again says so and
-  where the outputs are, and changes nothing;
-- a directory holding checkpoints of an unfinished run is continued only with `--resume`: never overwritten,
-  never continued silently;
-- `--resume` restores the latest complete checkpoint (an incomplete one, left by a crash in the middle of a save,
-  is removed first); an explicit `--steps N` replans the schedule to N steps, to extend a run.
-
-Configurations are sections of frozen dataclasses (`[train]`, `[monitor]`, ...), read from defaults, then a TOML
-file, then `--set SECTION.FIELD=VALUE` overrides, each value parsed by the type of the field it names
-(`merge_sections`).
+- the options: --out, --steps, --config (TOML, or a run's run_config.json), --set SECTION.FIELD=VALUE,
+  --resume, --print-config, --quiet, with the command's own inputs;
+- the configuration: the command's defaults (or, with --resume, the run's saved configuration) <- the TOML file
+  <- --set <- --steps (hybridtron.train.config);
+- the run directory `--out`, which holds everything the run makes: run_config.json, metrics.jsonl,
+  events.jsonl, checkpoints/ (DCP) and hf/ (the final model), and the command's own files. Its rules:
+  - a run that trained to its last step and wrote its HF export is complete: the same command again says so,
+    how to extend it, and changes nothing;
+  - a directory holding checkpoints of an unfinished run is continued only with --resume: never overwritten,
+    never continued silently;
+  - --resume restores the latest complete checkpoint (an incomplete one, left by a crash in the middle of a
+    save, is removed first). What it may change is each section's `RESUMABLE` fields (a longer run: --steps, the
+    LR, the monitor's thresholds, the layout); the changes are applied and recorded in events.jsonl at the step
+    they take effect. Any other change ([model], the data, the batch, the number formats) is refused before
+    anything is written, in one line naming each field and both values, and the run is left as it was;
+- interruption: Ctrl-C (SIGINT) or SIGTERM lets the step in flight finish, writes a checkpoint, records the
+  interruption in events.jsonl and ends the command with one line saying where the checkpoint is and how to
+  resume (exit status 130 or 143); a second signal stops at once, leaving the last complete checkpoint;
+- the end: the HF export with the tokenizer files, the first evaluator's first and last value, where the outputs
+  are, and (for a validation loss that ended far above its start) a warning and exit status 4.
 
 Under torchrun every rank runs the same command: global rank 0 alone writes the run directory (run_config.json,
 metrics, events, the HF export, gathered from the shards) and prints; all ranks build the same model, parallelize
 it by the `[dist]` layout (`start_parallel`, `assemble_trainer(parallel=...)`) and train together. A worker that
-torchrun restarts after a failure (`--max-restarts`) continues from the latest complete checkpoint, as `--resume`
+torchrun restarts after a failure (`--max-restarts`) continues from the latest complete checkpoint, as --resume
 does.
-
-Command modules build their parsers from this module, so its top-level imports stay light (no torch).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
+import json
+import math
 import os
+import signal
 import sys
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-RUN_CONFIG = "run_config.json"
+import torch
+
+from hybridtron.checkpoint.dcp import CheckpointManager, step_of
+from hybridtron.checkpoint.hf import save_pretrained
+from hybridtron.data.chat import save_tokenizer_files
+from hybridtron.dist.mesh import init_parallel, world_from_env
+from hybridtron.dist.parallelize import parallelize
+from hybridtron.dist.step import DataParallelBatches, full_state_dict
+from hybridtron.errors import RunInterrupted
+from hybridtron.files import METRICS_FILE, RUN_CONFIG
+from hybridtron.model.lm import HybridLM
+from hybridtron.numerics.policy import convert_for_training
+from hybridtron.train.config import SectionedConfig, change_config, resume_changes
+from hybridtron.train.hooks import MetricsLogger, ProgressBar
+from hybridtron.train.loop import Trainer
+from hybridtron.train.monitor import RUN_EVENT, build_monitor
+from hybridtron.train.objectives import LoaderBatches
+from hybridtron.train.preflight import bf16_warning, check_memory
+
+DIVERGED_EXIT = 4  # a run whose validation loss ended far above its start
+DIVERGED_RATIO = 1.10  # "far above": the last validation loss over the first
 
 
-# --------------------------------------------------------------------------------------------- arguments
-def add_run_arguments(parser, *, sections: str, set_example: str, default_steps: int,
-                      config_default: str = "the defaults", quiet_help: str = "no progress bar") -> None:
-    """The options every training command has: --out, --steps, --config, --set, --resume, --print-config,
-    --quiet. `sections` names the config file's sections for the help text, e.g. "[train] and [monitor]"."""
-    parser.add_argument("--out", help="run directory; created, and holds the checkpoints, metrics and HF export "
-                                      "(required unless --print-config)")
-    parser.add_argument("--steps", type=int, help=f"optimizer steps (default: the config's, {default_steps}; same "
-                                                  f"as --set train.steps=N)")
-    parser.add_argument("--config", help=f"a TOML file with {sections} sections, or a run's run_config.json "
-                                         f"(default: none, {config_default})")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help=f"override one field, e.g. {set_example} (repeatable)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out from its latest complete checkpoint (default: start anew)")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved configuration as TOML (which --config accepts) and exit")
-    parser.add_argument("--quiet", action="store_true", help=quiet_help)
+# ------------------------------------------------------------------------------------------- declarations
+@dataclass(frozen=True)
+class Input:
+    """A command-line input of a run that is not a section: a checkpoint directory, a data source. Stored in the
+    configuration under `field`; required for a new run unless `optional`; a resumed run takes the saved one, and
+    a different one given with --resume is refused."""
+
+    flag: str  # e.g. "--model"
+    field: str  # the configuration's field, e.g. "base_model"
+    help: str
+    optional: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
 
 
-def step_overrides(args) -> list[str]:
-    """`--set` overrides, then `--steps` as `train.steps=N`."""
-    return list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+@dataclass
+class BuiltRun:
+    """What a command's `build` returns: the trainer, the tokenizer written beside the HF export (None: the run
+    exports no model), and what to close when training ends (rollout pipelines, environments)."""
+
+    trainer: Trainer
+    tokenizer: Any = None
+    closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for close in self.closers:
+            close()
+        self.closers = []
 
 
+class RunCommand:
+    """A training command. Subclasses set `name`, `config_class`, `inputs` and `default_steps`, and define
+    `default_config`, `build` and, where they have them, `check`, `add_command_arguments` and `summary_line`."""
+
+    name = ""
+    config_class: type[SectionedConfig] = SectionedConfig
+    inputs: tuple[Input, ...] = ()
+    default_steps = 0  # for --steps' help text
+    set_example = "--set train.lr=3e-4"
+    quiet_help = "no progress bar"
+    out_help = ("run directory; created, and holds the checkpoints, metrics and HF export (required unless "
+                "--print-config)")
+    steps_help = ""  # what --steps means, where it is not the run's optimizer steps (default: those)
+
+    # ------------------------------------------------------------------------------ declared by each command
+    def default_config(self, args, inputs: dict[str, Any]) -> SectionedConfig:
+        """A new run's configuration before the TOML file and --set: the command's defaults for `inputs`."""
+        raise NotImplementedError
+
+    def add_command_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Options of this command beyond its inputs (e.g. pretraining's --preset)."""
+
+    def check(self, config) -> None:
+        """Before anything is written: the layout fits this world, the inputs are usable (a ValueError says why)."""
+
+    def build(self, config, out: Path, checkpoints: CheckpointManager, *, quiet: bool) -> BuiltRun:
+        raise NotImplementedError
+
+    def summary_line(self, history: list[tuple[int, float]]) -> str:
+        return validation_loss_line(history)
+
+    def has_started(self, out: Path) -> bool:
+        """`out` holds checkpoints of this run (a command with phases counts every phase's)."""
+        return has_checkpoints(out / "checkpoints")
+
+    def same_input(self, flag: str, given, saved) -> bool:
+        """Whether an input given with --resume is the run's own (paths compared resolved)."""
+        if isinstance(given, str) and isinstance(saved, str) and ":" not in given + saved:
+            return Path(given).resolve() == Path(saved).resolve()
+        return given == saved
+
+    # ----------------------------------------------------------------------------------------- the options
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        for item in self.inputs:
+            required = "" if item.optional else "; required unless --resume"
+            parser.add_argument(item.flag, dest=item.dest, help=f"{item.help}{required}")
+        self.add_command_arguments(parser)
+        sections = ", ".join(f"[{name}]" for name in self.section_names())
+        parser.add_argument("--out", help=self.out_help)
+        parser.add_argument("--steps", type=int, help=self.steps_help or (
+            f"optimizer steps (default: the config's, {self.default_steps}; the same as --set train.steps=N; with "
+            f"--resume on a finished run, a larger N trains it further). The warmup is train.warmup_steps steps (a "
+            f"shorter run warns that its LR never peaks) and the decay the last train.decay_fraction of the run"))
+        parser.add_argument("--config", help=f"a TOML file with {sections} sections, or a run's run_config.json "
+                                             f"(default: none, the command's defaults)")
+        parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                            help=f"override one field, e.g. {self.set_example} (repeatable)")
+        parser.add_argument("--resume", action="store_true",
+                            help="continue the run in --out from its latest complete checkpoint; its saved "
+                                 "configuration is the base, and --set may change the fields a resume allows "
+                                 "(default: start anew)")
+        parser.add_argument("--print-config", action="store_true",
+                            help="print the resolved configuration as TOML (which --config accepts) and exit")
+        parser.add_argument("--quiet", action="store_true", help=self.quiet_help)
+
+    def section_names(self) -> list[str]:
+        hints = [f.name for f in dataclasses.fields(self.config_class)]
+        model_is_section = self.config_class.MODEL_FROM is None
+        return [name for name in hints if name not in {i.field for i in self.inputs}
+                and (name != "model" or model_is_section)]
+
+    # ----------------------------------------------------------------------------------- the configuration
+    def given_inputs(self, args) -> dict[str, Any]:
+        """The inputs given on the command line (None where a flag was not given)."""
+        return {item.field: getattr(args, item.dest, None) for item in self.inputs}
+
+    def resolve(self, args) -> tuple[SectionedConfig, SectionedConfig | None]:
+        """(the configuration to run, the run's saved configuration with --resume, else None). A resume's changes
+        that the sections do not allow are refused here, before anything is written."""
+        overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+        toml_path, given = args.config, self.given_inputs(args)
+        if args.resume:
+            if toml_path is not None and Path(toml_path).suffix == ".json":
+                raise ValueError("--resume continues with the run's own run_config.json; --config then takes a TOML "
+                                 "file of changes")
+            saved = self.config_class.load(saved_config_file(args))
+            for item in self.inputs:
+                value, kept = given[item.field], getattr(saved, item.field)
+                if value is not None and not self.same_input(item.flag, value, kept):
+                    raise ValueError(f"--resume: {item.flag} {value} is not the run's ({kept}, in "
+                                     f"{Path(args.out) / RUN_CONFIG}); resume with the run's {item.flag}, or start "
+                                     f"a new run in another --out")
+            self.check_model_unchanged(saved, args.out)
+            config = change_config(saved, toml_path, overrides)
+            applied, refused = resume_changes(saved, config)
+            if refused:
+                raise ValueError(f"--resume cannot change {'; '.join(str(c) for c in refused)} (the run's value -> "
+                                 f"the given one); {args.out} is left as it was. To train with these settings, start "
+                                 f"a new run from this one's: --config {Path(args.out) / RUN_CONFIG} --out NEW_DIR")
+            return config, saved
+        if toml_path is not None and Path(toml_path).suffix == ".json":  # a run's own run_config.json
+            if not Path(toml_path).is_file():
+                raise FileNotFoundError(f"{toml_path}: config file not found")
+            base = self.config_class.load(toml_path)
+            base = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+            source = self.config_class.MODEL_FROM
+            if source is not None and given.get(source) is not None:  # another checkpoint: its architecture
+                base = dataclasses.replace(base, model=type(base.model).from_hf(given[source]))
+            return change_config(base, None, overrides), None
+        for item in self.inputs:
+            if not item.optional and not given[item.field]:
+                raise ValueError(f"{item.flag} is required (see hybridtron {self.name} --help)")
+        return change_config(self.default_config(args, given), toml_path, overrides), None
+
+    def check_model_unchanged(self, saved: SectionedConfig, out) -> None:
+        """A fine-tuning run's checkpoint must still hold the model the run began with."""
+        source = self.config_class.MODEL_FROM
+        if source is None:
+            return
+        from_checkpoint = type(saved.model).from_hf(getattr(saved, source))
+        if from_checkpoint != saved.model:
+            raise ValueError(f"--resume: {getattr(saved, source)}/config.json changed since the run started; the run "
+                             f"trains the model it began with (see {Path(out) / RUN_CONFIG})")
+
+    # ---------------------------------------------------------------------------------------------- the run
+    def run(self, args) -> int:
+        config, saved = self.resolve(args)
+        if args.print_config:
+            print(config.to_toml(), end="")
+            return 0
+        if not args.out:
+            raise ValueError(f"--out is required: the run directory to create (e.g. --out runs/{self.name})")
+        self.check(config)
+        built = self.train_in(config, Path(args.out), resume=args.resume, quiet=args.quiet, saved=saved)
+        if built is None:  # the run in --out was already complete
+            return 0
+        return self.finish(built, Path(args.out))
+
+    def train_in(self, config, out: Path, *, resume: bool, quiet: bool, saved=None) -> BuiltRun | None:
+        """Train `config` in the run directory `out` by the rules of the module docstring: the built run once it has
+        trained, or None when the run in `out` was already complete (which it says). `saved`: the run's saved
+        configuration when resuming."""
+        resume = resume or (restarted_by_torchrun() and self.has_started(out))
+        complete = complete_steps(out)
+        if not resume and (self.has_started(out)):
+            if complete is not None:
+                say_complete(out, self.name, complete)
+                return None
+            latest = max((p.name for d in (out / "checkpoints", out / "warmup" / "checkpoints") if d.is_dir()
+                          for p in d.glob("step_*")), default="none")
+            raise ValueError(f"{out}: holds an unfinished run (checkpoint {latest.split('.')[0]}); pass --resume to "
+                             f"continue it, or choose another --out for a new run")
+        if resume and complete is not None and config.train.steps <= complete:
+            say_complete(out, self.name, complete)
+            return None
+        checkpoints = CheckpointManager(out / "checkpoints", keep=config.train.keep_checkpoints)
+        try:
+            latest = checkpoints.latest() if resume else None
+            if resume and latest is None:
+                raise FileNotFoundError(f"{out / 'checkpoints'}: no complete checkpoint to resume from")
+            if is_main_process():
+                config.save(out / RUN_CONFIG)
+            built = self.build(config, out, checkpoints, quiet=quiet)
+            trainer = built.trainer
+            try:
+                if latest is not None:
+                    resume_trainer(trainer, checkpoints, latest, saved, config)
+                with stop_on_signals(trainer):
+                    trainer.train()
+            except RunInterrupted as stopped:
+                stopped.resume_command = f"hybridtron {self.name} --out {out} --resume"
+                raise
+            finally:
+                built.close()
+        finally:
+            checkpoints.close()
+        return built
+
+    def finish(self, built: BuiltRun, out: Path) -> int:
+        """The end of the command: the HF export, the summary, the process group closed; the exit status."""
+        trainer = built.trainer
+        status = 0
+        writes = export_model(trainer, out / "hf", built.tokenizer) if built.tokenizer is not None else \
+            is_main_process()
+        if writes:
+            history = trainer.evaluators[0].history if trainer.evaluators else []
+            if history:
+                print(self.summary_line(history))
+                status = divergence_status(trainer, history)
+            outputs = {"checkpoints": out / "checkpoints", "metrics": out / METRICS_FILE}
+            if built.tokenizer is not None:
+                outputs["HF export"] = out / "hf"
+            print("\n".join(f"{name + ':':<13}{path}" for name, path in outputs.items()))
+        if trainer.parallel is not None:
+            trainer.parallel.close()
+        return status
+
+
+def has_checkpoints(directory: Path) -> bool:
+    """`directory` holds a checkpoint (complete or not: a crash mid-save still marks a run as started)."""
+    return directory.is_dir() and any(p.is_dir() and p.name.startswith("step_") for p in directory.iterdir())
+
+
+def complete_steps(out: Path) -> int | None:
+    """The steps of the run in `out` if it is complete (its HF export written after it trained to its last step,
+    by its saved configuration), else None."""
+    if not (out / "hf" / "config.json").is_file() or not (out / RUN_CONFIG).is_file():
+        return None
+    directory = out / "checkpoints"
+    complete = [step_of(p) for p in directory.glob("step_*") if p.is_dir() and (p / "COMPLETE").exists()] \
+        if directory.is_dir() else []
+    try:
+        steps = int(json.loads((out / RUN_CONFIG).read_text())["train"]["steps"])
+    except (ValueError, KeyError, TypeError):  # not a run config this rule can read: not complete
+        return None
+    return steps if complete and max(complete) >= steps else None
+
+
+def say_complete(out: Path, command: str, steps: int) -> None:
+    print(f"{out}: this run is complete ({steps} steps); nothing to do.\n"
+          f"checkpoints: {out / 'checkpoints'}\nmetrics:     {out / METRICS_FILE}\nHF export:   {out / 'hf'}\n"
+          f"To train it further: hybridtron {command} --out {out} --resume --steps N (N > {steps}); for a new run, "
+          f"another --out.")
+
+
+def resume_trainer(trainer: Trainer, checkpoints: CheckpointManager, latest: Path, saved, config) -> None:
+    """Restore `latest` into the trainer, then apply what the resume changed: a new schedule when its length or
+    decay changed, and one `config_changed` event per changed field at the step it takes effect."""
+    checkpoints.remove_incomplete()
+    trainer.load_checkpoint(latest)
+    applied = resume_changes(saved, config)[0] if saved is not None else []
+    if any(c.key in ("train.steps", "train.decay_fraction") for c in applied):
+        trainer.schedule = trainer.new_schedule()  # e.g. a finished run extended: the decay moves to the new end
+    for change in applied:
+        trainer.events.write(trainer.step, RUN_EVENT, "config_changed", f"{change} from step {trainer.step + 1} on",
+                             key=change.key, saved=change.saved, given=change.given)
+    if is_main_process():
+        print(f"resumed from {latest} (step {trainer.step})", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def stop_on_signals(trainer: Trainer):
+    """While training: SIGINT (Ctrl-C) and SIGTERM ask the trainer to stop after the step in flight (it writes a
+    checkpoint and raises RunInterrupted); a second signal stops at once (KeyboardInterrupt). Outside the main
+    thread (where Python allows no handlers) nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def request_stop(number, frame):
+        if trainer.stop_signal is not None:
+            raise KeyboardInterrupt
+        trainer.stop_signal = number
+        if is_main_process():
+            print(f"\n{signal.Signals(number).name}: stopping after step {trainer.step + 1} and saving a checkpoint "
+                  f"(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    previous = {number: signal.signal(number, request_stop) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def divergence_status(trainer: Trainer, history: list[tuple[int, float]]) -> int:
+    """DIVERGED_EXIT (after saying so) when a validation loss ended far above its start, unless the run is a drill
+    that expects it (`monitor.expect_divergence`); else 0. Only a loss is judged (a pass rate that falls is the
+    evaluation's to report)."""
+    evaluator = trainer.evaluators[0]
+    if getattr(evaluator, "key", "") != "val_loss" or len(history) < 2:
+        return 0
+    (_, first), (_, last) = history[0], history[-1]
+    if math.isfinite(last) and last <= first * DIVERGED_RATIO:
+        return 0
+    expected = trainer.monitor.config.expect_divergence
+    print(f"the validation loss ended {last / first:.0%} of its start ({first:.3f} -> {last:.3f}): the run diverged"
+          + ("; monitor.expect_divergence is set, so this drill exits 0" if expected else
+             f"; see {trainer.events.path if trainer.events is not None else 'the run'}"), file=sys.stderr)
+    return 0 if expected else DIVERGED_EXIT
+
+
+# ------------------------------------------------------------------------------------ building the trainer
 def saved_config_file(args) -> Path:
     """`--resume`: the run config of the run in `--out`, which must exist."""
     if not args.out:
@@ -70,59 +394,6 @@ def saved_config_file(args) -> Path:
     return path
 
 
-# ------------------------------------------------------------------------------------------ configuration
-def read_toml_sections(path: str | Path, sections: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """The sections of a TOML config file; a missing file, invalid TOML or an unknown section is a ValueError
-    (FileNotFoundError for the first) that names the file."""
-    from hybridtron.train.config import read_toml
-
-    raw = read_toml(path)
-    for section, values in raw.items():
-        if section not in sections or not isinstance(values, dict):
-            raise ValueError(f"{path}: unknown section [{section}]; expected "
-                             f"{', '.join(f'[{s}]' for s in sections)}")
-    return raw
-
-
-def merge_sections(base: dict[str, Any], toml_path: str | Path | None = None, overrides: list[str] = (), *,
-                   fixed: dict[str, str] | None = None) -> dict[str, Any]:
-    """`base` (section name -> frozen dataclass) with a TOML file's values, then `--set` overrides, applied; each
-    section is rebuilt by `_build` and validated by its `validate()` if it has one. `fixed`: sections that neither
-    may change, each with the reason its error gives."""
-    from hybridtron.train.config import _build, _plain, parse_override
-
-    fixed = fixed or {}
-    names = tuple(base) + tuple(name for name in fixed if name not in base)
-    changes: dict[str, dict[str, Any]] = {name: {} for name in names}
-    if toml_path is not None:
-        for section, values in read_toml_sections(toml_path, names).items():
-            if section in fixed and values:
-                raise ValueError(f"{toml_path}: [{section}] cannot be set here: {fixed[section]}")
-            changes[section].update(values)
-    for text in overrides:
-        section, name, value = parse_override(text)
-        if section in fixed:
-            raise ValueError(f"--set {text!r}: {section}.{name} cannot be set: {fixed[section]}")
-        if section not in base:
-            raise ValueError(f"--set {text!r}: unknown section {section!r}; expected {', '.join(base)}")
-        changes[section][name] = value
-    merged = {}
-    for section, obj in base.items():
-        merged[section] = _build(type(obj), {**_plain(obj), **changes[section]}, section)
-        if hasattr(merged[section], "validate"):
-            merged[section].validate()
-    return merged
-
-
-def sections_toml(sections: dict[str, Any]) -> str:
-    """Sections of frozen dataclasses as TOML that `read_toml_sections` reads back to the same values, each field
-    with the comment its dataclass gives it."""
-    from hybridtron.train.config import section_toml
-
-    return "\n".join(line for name, obj in sections.items() for line in section_toml(name, obj) + [""])
-
-
-# ------------------------------------------------------------------------------------------- the trainer
 def is_main_process() -> bool:
     """Global rank 0 under torchrun (RANK), or a plain process: the one that writes the run directory."""
     return int(os.environ.get("RANK", "0")) == 0
@@ -147,51 +418,36 @@ def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: in
     """The run's process groups (hybridtron.dist.mesh.init_parallel): None for one process and the default
     layout; a layout the planner rejects is a ValueError before any process group is built. `context_parallel`:
     the run's batches can be split by position (pretraining's fixed-length sequences)."""
-    from hybridtron.dist.mesh import init_parallel
-
     return init_parallel(dist_config, model_config, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
                          context_parallel=context_parallel)
 
 
 def prepare_process(train, model_config, micro_batch_tokens: int, stream=None) -> None:
     """Before anything is built: refuse a single-process run that cannot fit in memory (a sharded one is sized by
-    `hybridtron plan --layout`), warn of a slow bf16 CPU, set the thread count and the seed (model initialization
-    and everything after it draw from it)."""
-    import torch
-
-    from hybridtron.dist.mesh import world_from_env
-    from hybridtron.train.preflight import bf16_warning, check_memory
-
+    `hybridtron plan --layout`), warn of a slow bf16 CPU and of a schedule that will not do what its settings
+    suggest, set the thread count and the seed (model initialization and everything after it draw from it)."""
+    stream = sys.stderr if stream is None else stream
     device = torch.device("cpu")
     if world_from_env()[0] == 1:
         check_memory(model_config, micro_batch_tokens, device, "this run")
-    warning = bf16_warning(train.precision, device)
-    if warning:
-        print(warning, file=sys.stderr if stream is None else stream)
+    if is_main_process():
+        slow_bf16 = bf16_warning(train.precision, device)
+        for warning in ([slow_bf16] if slow_bf16 else []) + [f"warning: {w}" for w in train.schedule_warnings()]:
+            print(warning, file=stream)
     if train.threads:
         torch.set_num_threads(train.threads)
     torch.manual_seed(train.seed)
 
 
-def assemble_trainer(model, objective, loader, evaluators, *, train, monitor_config, out: Path, checkpoints,
-                     quiet: bool, stream=None, parallel=None):
+def assemble_trainer(model, objective, batches, evaluators, *, train, monitor_config, out: Path, checkpoints,
+                     quiet: bool, stream=None, parallel=None) -> Trainer:
     """A `Trainer` for `model` as every training command runs it: the precision policy applied, the model
     parallelized (`train.compile`, `train.recompute`, and under torchrun the `[dist]` layout of `parallel`), the
-    stability monitor (and its fault injector, which may corrupt the loader's batches), `grad_accum`
-    micro-batches a step from `loader` (this rank's rows of them), metrics.jsonl and, unless `quiet`, the progress
-    bar (both on global rank 0 only). `loader` may instead be a batch source that gives each step's micro-batches
-    itself, this rank's rows included (RL rollouts: a `next_step` method); it is used as it is, and its `bind(trainer)`
-    is called with the trainer, whose model may be the parallelized one."""
+    stability monitor (and its fault drill, which may corrupt a loader's batches), metrics.jsonl and, unless `quiet`,
+    the progress bar (both on global rank 0 only). `batches` is a loader of (input_ids, labels) micro-batches, taken
+    `grad_accum` a step (under torchrun each rank takes its rows of them), or a batch source that gives each step's
+    micro-batches itself, this rank's rows included (RL rollouts: a `hybridtron.train.objectives.BatchSource`)."""
     stream = sys.stderr if stream is None else stream  # the stderr of the moment, not of import time
-    import torch
-
-    from hybridtron.dist.parallelize import parallelize
-    from hybridtron.numerics.policy import convert_for_training
-    from hybridtron.train import hooks as H
-    from hybridtron.train.loop import Trainer
-    from hybridtron.train.monitor import build_monitor
-    from hybridtron.train.objectives import LoaderBatches
-
     if parallel is None:
         convert_for_training(model, train)  # precision policy, output-layer grad accumulation dtype
     else:  # under FSDP the output layer's gradient is reduced in grad_accum_dtype instead (see dist.parallelize)
@@ -204,97 +460,34 @@ def assemble_trainer(model, objective, loader, evaluators, *, train, monitor_con
     monitor, faults = build_monitor(monitor_config, out, model.config, stream)
     if not main and monitor.events is not None:  # every rank judges the same steps; rank 0 alone records them
         monitor.events.path, monitor.events.stream = Path(os.devnull), open(os.devnull, "w")
-    if hasattr(loader, "next_step"):  # a batch source already
-        batches = loader
-    else:
-        batches = LoaderBatches(loader, train.grad_accum)
+    if not hasattr(batches, "next_step"):  # a loader: grad_accum of its micro-batches a step
+        batches = LoaderBatches(batches, train.grad_accum)
         if faults is not None:
             batches = faults.wrap_batches(batches, model.config.vocab_size)
         if parallel is not None:
-            from hybridtron.dist.step import DataParallelBatches
-
             batches = DataParallelBatches(batches, parallel, model.config.mtp_depths)
-    hooks = [H.MetricsLogger(out, every=train.log_every)] if main else []
+    hooks = [MetricsLogger(out, every=train.log_every)] if main else []
     if not quiet and main:
-        hooks.append(H.ProgressBar(stream))
+        hooks.append(ProgressBar(stream))
         if monitor.events is not None:
             monitor.events.newline_first = hooks[-1].interactive
-    trainer = Trainer(model, objective, batches, train, checkpoints, hooks=hooks, evaluators=evaluators,
-                      monitor=monitor, faults=faults, parallel=parallel)
-    if batches is loader and hasattr(loader, "bind"):
-        loader.bind(trainer)
-    return trainer
+    if faults is not None:  # the drill installs itself from outside the loop
+        hooks.append(faults)
+    return Trainer(model, objective, batches, train, checkpoints, hooks=hooks, evaluators=evaluators,
+                   monitor=monitor, parallel=parallel)
 
 
-# ---------------------------------------------------------------------------------------------- the run
-def finished_run(out: Path, config, checkpoints, load_config: Callable[[Path], Any]) -> bool:
-    """`out` holds a run of this configuration that trained to its last step and wrote its HF export."""
-    from hybridtron.checkpoint.dcp import step_of
-
-    latest = checkpoints.latest()
-    if latest is None or not (out / "hf" / "config.json").is_file() or not (out / RUN_CONFIG).is_file():
-        return False
-    return load_config(out / RUN_CONFIG) == config and step_of(latest) >= config.train.steps
-
-
-def train_in_run_dir(args, config, load_config: Callable[[Path], Any], build: Callable):
-    """Train `config` in `args.out` by the rules of the module docstring. `build(out, checkpoints)` returns
-    `(trainer, extra)`; this returns the same pair once the trainer has trained, or None when the run in `out` was
-    already complete (which it says). `config` needs `save(path)`, equality and `train.steps` /
-    `train.keep_checkpoints`; `load_config(path)` reads a saved one back."""
-    from hybridtron.checkpoint.dcp import CheckpointManager
-
-    if not args.out:
-        raise ValueError("--out is required: the run directory to create (e.g. --out runs/mine)")
-    out = Path(args.out)
-    checkpoints = CheckpointManager(out / "checkpoints", keep=config.train.keep_checkpoints)
-    main = is_main_process()
-    try:
-        resume = args.resume or (restarted_by_torchrun() and checkpoints.latest() is not None)
-        latest = checkpoints.latest() if resume else None
-        if args.resume and latest is None:
-            raise FileNotFoundError(f"{out / 'checkpoints'}: no complete checkpoint to resume from")
-        if finished_run(out, config, checkpoints, load_config):
-            print(f"{out}: this run is complete ({config.train.steps} steps); nothing to do.\n"
-                  f"checkpoints: {checkpoints.directory}\nmetrics:     {out / 'metrics.jsonl'}\n"
-                  f"HF export:   {out / 'hf'}\n(to train further: --resume --steps N with a larger N; for a new "
-                  f"run: another --out)")
-            return None
-        if not resume and checkpoints.list():
-            raise ValueError(f"{out}: holds an unfinished run (checkpoint {checkpoints.latest().name}); pass --resume "
-                             f"to continue it, or choose another --out for a new run")
-        out.mkdir(parents=True, exist_ok=True)
-        if main:
-            config.save(out / RUN_CONFIG)
-        trainer, extra = build(out, checkpoints)
-        if latest is not None:
-            checkpoints.remove_incomplete()
-            trainer.load_checkpoint(latest)
-            if args.steps is not None and args.steps != trainer.schedule.total_steps:
-                # an explicit --steps on resume replans the schedule to the new total (e.g. to extend a run)
-                trainer.schedule = trainer.new_schedule()
-            if main:
-                print(f"resumed from {latest} (step {trainer.step})", file=sys.stderr)
-        trainer.train()
-    finally:
-        checkpoints.close()
-    return trainer, extra
-
-
-def export_model(trainer, hf_dir: Path, tokenizer, model_max_length: int) -> bool:
+# ------------------------------------------------------------------------------------------------ the end
+def export_model(trainer, hf_dir: Path, tokenizer, model_max_length: int | None = None) -> bool:
     """Write the trained model and its tokenizer files as an HF checkpoint into `hf_dir`; under torchrun every rank
     takes part (the shards are gathered), global rank 0 writes, and every rank returns once the directory is whole
-    (the MOPD warmup's ranks read it next). Returns whether this process wrote it."""
-    from hybridtron.checkpoint.hf import save_pretrained
-    from hybridtron.data.chat import save_tokenizer_files
-
+    (the next stage's ranks read it next). `model_max_length`: the tokenizer's (default: the model's context).
+    Returns whether this process wrote it."""
     parallel = trainer.parallel
+    model_max_length = model_max_length or trainer.model.config.max_position_embeddings
     if parallel is None:
         model = trainer.model
     else:
-        from hybridtron.dist.step import full_state_dict
-        from hybridtron.model.lm import HybridLM
-
         state = full_state_dict(trainer.model, parallel)
         if parallel.is_main:
             model = HybridLM(trainer.model.config, init=False)
@@ -316,17 +509,3 @@ def validation_loss_line(history) -> str:
 def pass_at_1_line(history, what: str = "held-out pass@1") -> str:
     (first_step, first), (last_step, last) = history[0], history[-1]
     return f"{what} {first:.1%} (step {first_step}) -> {last:.1%} (step {last_step})"
-
-
-def finish_run(trainer, out: Path, tokenizer, model_max_length: int, summary_line=validation_loss_line) -> None:
-    """The end of every training command: the HF export `out/hf` with the tokenizer files (under torchrun gathered
-    from the shards; global rank 0 writes), the first evaluator's first and last value (`summary_line(history)`),
-    where the outputs are, and the process group closed."""
-    hf_dir = out / "hf"
-    if export_model(trainer, hf_dir, tokenizer, model_max_length):
-        history = trainer.evaluators[0].history if trainer.evaluators else []
-        if history:
-            print(summary_line(history))
-        print(f"checkpoints: {out / 'checkpoints'}\nmetrics:     {out / 'metrics.jsonl'}\nHF export:   {hf_dir}")
-    if trainer.parallel is not None:
-        trainer.parallel.close()

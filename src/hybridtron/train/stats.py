@@ -1,15 +1,18 @@
 """What one optimizer step measured: `StepStats`, the typed record that the monitor and the hooks read.
 
-The trainer fills it in this order: the objective's losses and metrics (averaged over the step's micro-batches),
-the tokens, every router's expert counts, the gradient norms before clipping (global and per parameter group),
-then the signals, and the held-out evaluations that are due. `record()` flattens it into the one line per step of
-metrics.jsonl; the keys are stable:
+The trainer fills it in this order: the objective's metrics and each MTP depth's loss (averaged over the step's
+micro-batches), the tokens, every router's expert counts, the gradient norms before clipping (global and per
+parameter group), every router's MaxVio, then the monitor's signals, and the held-out evaluations that are due.
+`record()` flattens it into the one line per step of metrics.jsonl; the keys are stable:
 
-    step, lr, loss, lm_loss, mtp_loss_<d>, ...   the objective's metrics (pretraining: CE + MTP, CE, each depth)
+    step, lr, loss, lm_loss, ...                 the objective's metrics (pretraining: CE + MTP, CE)
+    mtp_loss_<d>                                 each MTP depth's loss (`mtp_losses[d - 1]`)
     grad_norm                                    global L2 norm of the gradients, before clipping
     wgrad_norm/<group>                           per group: embeddings, layer.<i>, norm_f, lm_head, mtp
     tokens, tokens_per_s
-    maxvio/<router>, ...                         signals (see hybridtron.train.balance, hybridtron.train.monitor)
+    maxvio/<router>                              each router's MaxVio (hybridtron.train.balance)
+    residual_rms/<layer>                         the residual stream's RMS after each block, on sampled steps
+    ...                                          the other signals (hybridtron.train.monitor.signals)
 """
 
 from __future__ import annotations
@@ -27,18 +30,25 @@ class StepStats:
     losses: dict[str, float]  # the objective's metrics, averaged over the micro-batches
     tokens: int  # tokens the step trained on
     expert_counts: dict[str, torch.Tensor]  # router name -> tokens routed to each expert [E], summed over the step
+    mtp_losses: list[float] = field(default_factory=list)  # the loss of MTP depth d at index d - 1
     grad_norm: float = math.nan  # global, before clipping
     group_grad_norms: dict[str, float] = field(default_factory=dict)  # per parameter group, before clipping
+    maxvio: dict[str, float] = field(default_factory=dict)  # router name -> MaxVio over the balance window
+    residual_rms: dict[int, float] = field(default_factory=dict)  # backbone layer -> residual RMS (sampled steps)
     seconds: float = 0.0  # wall time of forward, backward and update
-    signals: dict[str, float] = field(default_factory=dict)  # measured by the balance and the monitor
+    signals: dict[str, float] = field(default_factory=dict)  # the monitor's other signals
     evaluation: dict[str, float] = field(default_factory=dict)  # held-out results, on the steps they are due
     events: list[str] = field(default_factory=list)  # "detector:action" of what the monitor decided on this step
 
     def record(self) -> dict:
         """The step's metrics.jsonl line."""
-        line = {"step": self.step, **self.losses, "lr": self.lr, "grad_norm": self.grad_norm,
+        line = {"step": self.step, **self.losses,
+                **{f"mtp_loss_{depth}": value for depth, value in enumerate(self.mtp_losses, start=1)},
+                "lr": self.lr, "grad_norm": self.grad_norm,
                 **{f"wgrad_norm/{group}": value for group, value in self.group_grad_norms.items()},
                 "tokens": self.tokens, "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+                **{f"maxvio/{router}": value for router, value in self.maxvio.items()},
+                **{f"residual_rms/{layer}": value for layer, value in self.residual_rms.items()},
                 **self.signals, **self.evaluation}
         if self.events:
             line["events"] = list(self.events)

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.scheduler import EngineError, EngineStats, QueueFull, RequestHandle, TokenEvent
-from hybridtron.infer.server import DEFAULT_REQUEST_TIMEOUT_S
+from hybridtron.infer.server.settings import DEFAULT_REQUEST_TIMEOUT_S
 from hybridtron.infer.server.metrics import CountResponses, Metrics
 from hybridtron.infer.server.protocol import APIError, GenerationRequest, chat_request, completion_request
 from hybridtron.infer.text import SequenceText, TextStream

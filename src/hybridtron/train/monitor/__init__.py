@@ -25,18 +25,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridtron.files import EVENTS_FILE, ROLLED_BACK_FILE
+from hybridtron.train.balance import max_violation_bound
 from hybridtron.train.monitor.config import DETECTORS, FAULT_KINDS, RESPONSES, MonitorConfig, parse_faults
 from hybridtron.train.monitor.detectors import (
     Detector, Finding, LossSpike, MaxVio, MtpLeads, NonFinite, ResidualSpread, Rolling, WgradGrowth,
 )
 from hybridtron.train.monitor.faults import FaultInjector
 from hybridtron.train.monitor.recovery import (
-    ANNEAL, APPLY, EVENTS_FILE, ROLLBACK, ROLLED_BACK_FILE, SKIP, Decision, DivergenceError, EventLog, NoMonitor,
-    StabilityMonitor,
+    ANNEAL, APPLY, ROLLBACK, RUN_EVENT, SKIP, Decision, DivergenceError, EventLog, NoMonitor, StabilityMonitor,
 )
 
 __all__ = [
-    "ANNEAL", "APPLY", "DETECTORS", "EVENTS_FILE", "FAULT_KINDS", "RESPONSES", "ROLLBACK", "ROLLED_BACK_FILE", "SKIP",
+    "ANNEAL", "APPLY", "DETECTORS", "EVENTS_FILE", "FAULT_KINDS", "RESPONSES", "ROLLBACK", "ROLLED_BACK_FILE",
+    "RUN_EVENT", "SKIP",
     "Decision", "Detector", "DivergenceError", "EventLog", "FaultInjector", "Finding", "LossSpike", "MaxVio",
     "MonitorConfig", "MtpLeads", "NoMonitor", "NonFinite", "ResidualSpread", "Rolling", "StabilityMonitor",
     "WgradGrowth", "build_monitor", "parse_faults",
@@ -47,10 +49,8 @@ def build_monitor(config: MonitorConfig, run_dir: Path, model_config, stream=Non
                   ) -> tuple[StabilityMonitor | NoMonitor, FaultInjector | None]:
     """The run's monitor (a `NoMonitor` when `monitor.enabled` is false) and its fault injector (None unless
     `monitor.inject_fault` names faults)."""
-    if not config.enabled:
-        return NoMonitor(), None
-    from hybridtron.train.balance import max_violation_bound
-
+    if not config.enabled:  # nothing watched; the run's own events (resume, interruption) are still recorded
+        return NoMonitor(events=EventLog(Path(run_dir), stream)), None
     bound = max_violation_bound(model_config.n_routed_experts, model_config.num_experts_per_tok)
     monitor = StabilityMonitor(config, Path(run_dir), bound, stream)
     faults = FaultInjector(config, monitor.events) if config.inject_fault else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 RESPONSES = ("warn", "skip", "rollback", "anneal")
 SEVERITY = {name: rank for rank, name in enumerate(RESPONSES)}
@@ -59,6 +60,10 @@ class MonitorConfig:
     inject_fault: str = ""  # "KIND@STEP[,KIND@STEP...]", KIND in lr_spike, corrupt_batch, nan_grad, router_bias
     inject_lr_factor: float = 1000.0  # lr_spike: the LR multiplier of the faulted step
     inject_router_bias: float = 1.0  # router_bias: added to the first router's bias of expert 0
+    expect_divergence: bool = False  # a drill meant to end with its validation loss far above its start (the run
+    #   then exits 0; otherwise such an ending is reported and the command exits with status 4)
+
+    RESUMABLE: ClassVar = "all"  # thresholds and responses may change on resume (hybridtron.train.config)
 
     def validate(self) -> None:
         for name in ("mtp_lead_after", "anneal_steps"):

@@ -1,5 +1,6 @@
 """Detectors: each judges one step's signals against its own rolling history of the steps whose update was applied
-(skipped and abandoned steps never enter it). `check` reads; `observe` commits an accepted step.
+(skipped and abandoned steps never enter it). `check` reads the step's typed `StepStats`; `observe` commits an
+accepted step.
 
     nonfinite        NaN or Inf in a loss, grad_norm or any wgrad_norm/<group>
     loss_spike       lm_loss > mean + loss_spike_sigma * std of the last `window` steps, and > mean * (1 + min_rel)
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hybridtron.train.monitor.config import MonitorConfig
+from hybridtron.train.stats import StepStats
 
 
 @dataclass
@@ -58,17 +60,17 @@ class Rolling:
 
 
 class Detector:
-    """Judges one step's metrics against the history of accepted steps. `check` reads, `observe` commits."""
+    """Judges one step's `StepStats` against the history of accepted steps. `check` reads, `observe` commits."""
 
     name = ""
 
     def __init__(self, config: MonitorConfig):
         self.config = config
 
-    def check(self, metrics: dict) -> Finding | None:
+    def check(self, stats: StepStats) -> Finding | None:
         raise NotImplementedError
 
-    def observe(self, metrics: dict) -> None: ...
+    def observe(self, stats: StepStats) -> None: ...
 
     def state_dict(self) -> dict:
         """The Rolling histories by attribute name (detectors with other state override this)."""
@@ -81,19 +83,23 @@ class Detector:
             rolling.values.extend(values)
 
 
-def _loss_keys(metrics: dict) -> list[str]:
-    return [k for k in metrics if k in ("loss", "lm_loss") or k.startswith("mtp_loss_")]
+def mtp_depth_losses(stats: StepStats) -> dict[str, float]:
+    """`mtp_loss_<d>` -> the step's loss of MTP depth d (the names the metrics and the detectors' state use)."""
+    return {f"mtp_loss_{depth}": value for depth, value in enumerate(stats.mtp_losses, start=1)}
 
 
 class NonFinite(Detector):
     name = "nonfinite"
 
-    def check(self, metrics):
-        keys = _loss_keys(metrics) + [k for k in metrics if k == "grad_norm" or k.startswith("wgrad_norm/")]
-        bad = [k for k in keys if isinstance(metrics[k], float) and not math.isfinite(metrics[k])]
+    def check(self, stats):
+        values = {key: stats.losses[key] for key in ("loss", "lm_loss") if key in stats.losses}
+        values.update(mtp_depth_losses(stats))
+        values["grad_norm"] = stats.grad_norm
+        values.update({f"wgrad_norm/{group}": norm for group, norm in stats.group_grad_norms.items()})
+        bad = [key for key, value in values.items() if not math.isfinite(value)]
         if bad:
             return Finding(self.name, f"non-finite {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''}",
-                           bad[0], metrics[bad[0]], float("inf"))
+                           bad[0], values[bad[0]], float("inf"))
         return None
 
 
@@ -104,8 +110,8 @@ class LossSpike(Detector):
         super().__init__(config)
         self.history = Rolling(config.window)
 
-    def check(self, metrics):
-        value = metrics.get("lm_loss")
+    def check(self, stats):
+        value = stats.losses.get("lm_loss")
         if value is None or len(self.history) < self.config.min_history:
             return None
         mean, std = self.history.mean_std()
@@ -115,21 +121,26 @@ class LossSpike(Detector):
                            f"{self.config.loss_spike_sigma:g} sigma {std:.3g})", "lm_loss", value, threshold)
         return None
 
-    def observe(self, metrics):
-        self.history.add(metrics.get("lm_loss"))
+    def observe(self, stats):
+        self.history.add(stats.losses.get("lm_loss"))
 
 
 class WgradGrowth(Detector):
+    """The global gradient norm and the output layer's (`wgrad_norm/lm_head`), each against its rolling median."""
+
     name = "wgrad_growth"
-    keys = ("grad_norm", "wgrad_norm/lm_head")
 
     def __init__(self, config):
         super().__init__(config)
-        self.histories = {key: Rolling(config.window) for key in self.keys}
+        self.histories = {key: Rolling(config.window) for key in ("grad_norm", "wgrad_norm/lm_head")}
 
-    def check(self, metrics):
-        for key, history in self.histories.items():
-            value = metrics.get(key)
+    @staticmethod
+    def _norms(stats) -> dict[str, float | None]:
+        return {"grad_norm": stats.grad_norm, "wgrad_norm/lm_head": stats.group_grad_norms.get("lm_head")}
+
+    def check(self, stats):
+        for key, value in self._norms(stats).items():
+            history = self.histories[key]
             if value is None or len(history) < self.config.min_history:
                 continue
             threshold = self.config.wgrad_growth_factor * history.median()
@@ -138,9 +149,9 @@ class WgradGrowth(Detector):
                                f"median {history.median():.4g}", key, value, threshold)
         return None
 
-    def observe(self, metrics):
-        for key, history in self.histories.items():
-            history.add(metrics.get(key))
+    def observe(self, stats):
+        for key, value in self._norms(stats).items():
+            self.histories[key].add(value)
 
     def state_dict(self):
         return {"histories": {key: list(h.values) for key, h in self.histories.items()}}
@@ -169,31 +180,35 @@ class MtpLeads(Detector):
         beta = self.config.mtp_lead_ema
         return beta * self.ema[key] + (1 - beta) * value
 
-    def check(self, metrics):
-        cfg, lm = self.config, metrics.get("lm_loss")
-        if (lm is None or metrics["step"] <= cfg.mtp_lead_after or self.seen < cfg.min_history
+    def check(self, stats):
+        cfg, lm = self.config, stats.losses.get("lm_loss")
+        if (lm is None or stats.step <= cfg.mtp_lead_after or self.seen < cfg.min_history
                 or "lm_loss" not in self.ema_min):
             return None
         main_mean, main_std = self.main.mean_std()
         main_spiking = lm > main_mean + cfg.mtp_lead_sigma * main_std
         main_rise = self._smoothed("lm_loss", lm) / self.ema_min["lm_loss"] - 1
-        for key in sorted(k for k in metrics if k.startswith("mtp_loss_") and k in self.ema_min):
-            gap = metrics[key] - lm
+        for key, value in mtp_depth_losses(stats).items():
+            if key not in self.ema_min:
+                continue
+            gap = value - lm
             mean, std = self.gaps[key].mean_std()
             threshold = mean + cfg.mtp_lead_sigma * std
             if gap > threshold and not main_spiking:
                 return Finding(self.name, f"{key} - lm_loss = {gap:.4g} > {threshold:.4g} (mean {mean:.4g} + "
                                f"{cfg.mtp_lead_sigma:g} sigma) while lm_loss is not spiking", key, gap, threshold)
-            rise = self._smoothed(key, metrics[key]) / self.ema_min[key] - 1
+            rise = self._smoothed(key, value) / self.ema_min[key] - 1
             if rise > cfg.mtp_lead_rise and main_rise < rise / 2:
                 return Finding(self.name, f"smoothed {key} {rise:.1%} above its minimum, lm_loss {main_rise:.1%}",
                                key, rise, cfg.mtp_lead_rise)
         return None
 
-    def observe(self, metrics):
-        lm = metrics.get("lm_loss")
-        values = {k: v for k, v in metrics.items() if k.startswith("mtp_loss_") or k == "lm_loss"}
-        if lm is None or not all(math.isfinite(v) for v in values.values()):
+    def observe(self, stats):
+        lm = stats.losses.get("lm_loss")
+        if lm is None:
+            return
+        values = {"lm_loss": lm, **mtp_depth_losses(stats)}
+        if not all(math.isfinite(v) for v in values.values()):
             return
         self.main.add(lm)
         for key, value in values.items():
@@ -220,7 +235,7 @@ class MtpLeads(Detector):
 
 
 class MaxVio(Detector):
-    """MaxVio per MoE layer (ExpertLoad's `maxvio/<i>`, the report's max/mean definition) above a share of E/K."""
+    """Every router's MaxVio (the report's max/mean definition, `StepStats.maxvio`) above a share of E/K."""
 
     name = "maxvio"
 
@@ -228,22 +243,22 @@ class MaxVio(Detector):
         super().__init__(config)
         self.bound = bound
 
-    def check(self, metrics):
-        if metrics["step"] <= self.config.min_history:  # the router biases have not had time to balance yet
+    def check(self, stats):
+        if stats.step <= self.config.min_history:  # the router biases have not had time to balance yet
             return None
         threshold = self.config.maxvio_share * self.bound
-        for key in sorted(k for k in metrics if k.startswith("maxvio/")):
-            if metrics[key] > threshold:
-                return Finding(self.name, f"{key} {metrics[key]:.3g} > {self.config.maxvio_share:g} x bound "
-                               f"{self.bound:.4g}", key, metrics[key], threshold)
+        for router, value in sorted(stats.maxvio.items()):
+            if value > threshold:
+                return Finding(self.name, f"maxvio/{router} {value:.3g} > {self.config.maxvio_share:g} x bound "
+                               f"{self.bound:.4g}", f"maxvio/{router}", value, threshold)
         return None
 
 
 class ResidualSpread(Detector):
     name = "residual_spread"
 
-    def check(self, metrics):
-        values = [v for k, v in metrics.items() if k.startswith("residual_rms/") and v > 0 and math.isfinite(v)]
+    def check(self, stats):
+        values = [v for v in stats.residual_rms.values() if v > 0 and math.isfinite(v)]
         if len(values) < 2:
             return None
         orders = math.log10(max(values) / min(values))

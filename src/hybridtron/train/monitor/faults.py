@@ -8,26 +8,33 @@
     router_bias    after that step's update, the first router's bias of expert 0 raised by inject_router_bias, so
                    that expert takes every token
 
-The trainer calls the injector where a fault enters (`lr_factor` before the update, `after_update` after it);
-`attach` registers the gradient hook; the run's batch source is wrapped once, when the run is built
-(`wrap_batches`). Each fault fires once per run, even if a rollback re-runs its step.
+The injector wraps the training loop from outside, so the loop carries no drill code: the run's batch source is
+wrapped once, when the run is built (`wrap_batches`); as a hook it installs a pre-hook on the optimizer's step (and,
+for nan_grad, a gradient hook on the final norm's weight) when training starts, and moves the router bias when a step with an
+applied update ends. Each fault fires once per run, even if a rollback re-runs its step (its `state_dict` is the
+set of faults fired).
 """
 
 from __future__ import annotations
 
 import torch
 
+from hybridtron.train.hooks import Hook
 from hybridtron.train.monitor.config import MonitorConfig, parse_faults
 
 
-class FaultInjector:
+class FaultInjector(Hook):
     def __init__(self, config: MonitorConfig, events):
         self.config = config
         self.events = events
         self.faults = parse_faults(config.inject_fault)
         self.fired: set[str] = set()
-        self.step = 0  # the step being computed (counted from 1)
-        self.handle = None
+        self.trainer = None
+        self.handles = []
+
+    def current_step(self) -> int:
+        """The step being computed (counted from 1): the trainer counts a step once its update is done."""
+        return self.trainer.step + 1 if self.trainer is not None else 1
 
     def due(self, kind: str, step: int) -> bool:
         return kind in self.faults.get(step, []) and f"{kind}@{step}" not in self.fired
@@ -36,39 +43,44 @@ class FaultInjector:
         self.fired.add(f"{kind}@{step}")
         self.events.write(step, "inject", kind, "fault injected (monitor.inject_fault)")
 
-    def attach(self, model) -> None:
-        self.handle = model.backbone.norm_f.weight.register_hook(self._poison)
+    # ------------------------------------------------------------------------------------ installed hooks
+    def on_train_start(self, trainer) -> None:
+        self.trainer = trainer
+        kinds = {kind for kinds in self.faults.values() for kind in kinds}
+        self.handles = [trainer.optimizer.register_step_pre_hook(self._spike_lr)]
+        if "nan_grad" in kinds:  # the final norm may be frozen (MTP boosting): hook it only for this fault
+            self.handles.append(trainer.model.backbone.norm_f.weight.register_hook(self._poison_gradient))
 
-    def detach(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
+    def on_train_end(self, trainer) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
-    def begin_step(self, step: int) -> None:
-        self.step = step
-
-    def _poison(self, grad):
-        if not self.due("nan_grad", self.step):
+    def _poison_gradient(self, grad):
+        step = self.current_step()
+        if not self.due("nan_grad", step):
             return grad
-        self.fire("nan_grad", self.step)
+        self.fire("nan_grad", step)
         grad = grad.clone()
         grad.view(-1)[0] = float("nan")
         return grad
 
-    def wrap_batches(self, batches, vocab_size: int) -> "CorruptingBatches":
-        return CorruptingBatches(batches, self, vocab_size)
-
-    def lr_factor(self) -> float:
-        if self.due("lr_spike", self.step):
-            self.fire("lr_spike", self.step)
-            return self.config.inject_lr_factor
-        return 1.0
+    def _spike_lr(self, optimizer, args, kwargs) -> None:
+        step = self.current_step()
+        if self.due("lr_spike", step):  # the schedule sets every group's LR again before the next update
+            self.fire("lr_spike", step)
+            for group in optimizer.param_groups:
+                group["lr"] *= self.config.inject_lr_factor
 
     @torch.no_grad()
-    def after_update(self, model) -> None:
-        if self.due("router_bias", self.step):
-            self.fire("router_bias", self.step)
-            model.router_biases()[0][0] += self.config.inject_router_bias
+    def on_step_end(self, trainer, stats, decision) -> None:
+        """After the update and the routers' own balancing move (a dropped update is left alone)."""
+        if decision.applies and self.due("router_bias", stats.step):
+            self.fire("router_bias", stats.step)
+            trainer.model.router_biases()[0][0] += self.config.inject_router_bias
+
+    def wrap_batches(self, batches, vocab_size: int) -> "CorruptingBatches":
+        return CorruptingBatches(batches, self, vocab_size)
 
     def state_dict(self) -> dict:
         return {"fired": sorted(self.fired)}
@@ -85,13 +97,16 @@ class CorruptingBatches:
 
     def next_step(self):
         micro_batches = self.batches.next_step()
-        step = self.injector.step
+        step = self.injector.current_step()
         if not self.injector.due("corrupt_batch", step):
             return micro_batches
         self.injector.fire("corrupt_batch", step)
         generator = torch.Generator().manual_seed(1234)
         return [(torch.randint(0, self.vocab_size, ids.shape, generator=generator).to(ids.device),
                  torch.full_like(labels, self.vocab_size - 1)) for ids, labels in micro_batches]
+
+    def sync_weights(self, model, version: int, total_steps: int) -> None:
+        self.batches.sync_weights(model, version, total_steps)
 
     def state_dict(self):
         return self.batches.state_dict()

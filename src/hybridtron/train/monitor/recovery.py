@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from hybridtron.checkpoint.dcp import GOOD, step_of
 from hybridtron.errors import RunStopped
+from hybridtron.files import ABANDONED_EVENTS_FILE, EVENTS_FILE
 from hybridtron.train.monitor.config import SEVERITY, MonitorConfig
 from hybridtron.train.monitor.detectors import (
     Finding, LossSpike, MaxVio, MtpLeads, NonFinite, ResidualSpread, WgradGrowth,
@@ -41,8 +43,8 @@ from hybridtron.train.monitor.detectors import (
 from hybridtron.train.monitor.signals import ResidualRMS, RouterBiasSpread, Underflow, UpdateRatio
 from hybridtron.train.stats import StepStats
 
-EVENTS_FILE, ROLLED_BACK_FILE = "events.jsonl", "metrics.rolled_back.jsonl"
 APPLY, SKIP, ROLLBACK, ANNEAL = "apply", "skip", "rollback", "anneal"
+RUN_EVENT = "run"  # the `detector` of the events the run itself records (the trainer, the run scaffold)
 
 
 class DivergenceError(RunStopped):
@@ -84,9 +86,29 @@ class EventLog:
         with self.path.open("a") as handle:
             handle.write(json.dumps(event, default=str) + "\n")
         lead = "\n" if self.newline_first else ""
-        self.stream.write(f"{lead}[monitor] step {step}: {detector} -> {action}: {message}\n")
+        if detector == RUN_EVENT:  # the run's own events: resumed, interrupted, configuration changed
+            self.stream.write(f"{lead}[run] step {step}: {action}: {message}\n")
+        else:
+            self.stream.write(f"{lead}[monitor] step {step}: {detector} -> {action}: {message}\n")
         self.stream.flush()
         return event
+
+    def abandon_after(self, step: int) -> None:
+        """A resume from the checkpoint of `step`: the events of the later steps (written before a kill, for steps
+        the resumed run computes again) move to events.abandoned.jsonl, so that no event is counted twice. The side
+        file is written first: a crash in between duplicates lines there rather than losing them."""
+        if not self.path.exists():
+            return
+        kept, abandoned = [], []
+        for line in self.path.read_text().splitlines():
+            if line.strip():
+                (abandoned if json.loads(line).get("step", 0) > step else kept).append(line)
+        if abandoned:
+            with self.path.with_name(ABANDONED_EVENTS_FILE).open("a") as handle:
+                handle.write("".join(line + "\n" for line in abandoned))
+            staging = self.path.with_name(self.path.name + ".tmp")
+            staging.write_text("".join(line + "\n" for line in kept))
+            os.replace(staging, self.path)
 
 
 def _clean(value):
@@ -125,10 +147,9 @@ class StabilityMonitor:
         """Measure the pre-update signals into `stats`, run every detector, and decide."""
         for signal in self.signals:
             stats.signals.update(signal.measure(trainer, stats))
-        metrics = stats.record()
         findings = []
         for detector in self.detectors:
-            finding = detector.check(metrics)
+            finding = detector.check(stats)
             if finding is not None:
                 findings.append(finding)
                 if detector.name == "nonfinite":
@@ -137,7 +158,7 @@ class StabilityMonitor:
         if decision.applies:
             self.consecutive_skips = 0
             for detector in self.detectors:
-                detector.observe(metrics)
+                detector.observe(stats)
         return decision
 
     def after_update(self, trainer, stats: StepStats, decision: Decision) -> None:

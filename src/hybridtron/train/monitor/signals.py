@@ -81,11 +81,12 @@ class ResidualRMS(Signal):
                 dist.all_reduce(means, group=parallel.group("tokens"))
                 means /= dist.get_world_size(parallel.group("tokens"))
             self.sums, self.counts, self.armed = {}, {}, False
-            local = {f"residual_rms/{i}": math.sqrt(v) for i, v in zip(keys, means.tolist() if keys else [])}
-            return parallel.merge_over_stages(local)
-        values = {f"residual_rms/{i}": math.sqrt(float(self.sums[i]) / self.counts[i]) for i in sorted(self.sums)}
+            local = {i: math.sqrt(v) for i, v in zip(keys, means.tolist() if keys else [])}
+            stats.residual_rms = parallel.merge_over_stages(local)
+            return {}
+        stats.residual_rms = {i: math.sqrt(float(self.sums[i]) / self.counts[i]) for i in sorted(self.sums)}
         self.sums, self.counts, self.armed = {}, {}, False
-        return values
+        return {}
 
 
 def quantized_modules(model: torch.nn.Module) -> dict[str, object]:

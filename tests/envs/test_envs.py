@@ -13,12 +13,12 @@ from fractions import Fraction
 
 import pytest
 
-from hybridtron.post.envs import (CodeEnv, Environment, MathEnv, Task, assistant_turn, env_names, get_env,
+from hybridtron.envs import (CodeEnv, Environment, MathEnv, Task, assistant_turn, env_names, get_env,
                                   register, split_of, write_jsonl)
-from hybridtron.post.envs.code import FAMILIES, extract_code
-from hybridtron.post.envs.grading import GraderPool
-from hybridtron.post.envs.math_verify import extract_answer, grade, parse_value
-from hybridtron.post.envs.sandbox import SandboxConfig
+from hybridtron.envs.code import FAMILIES, extract_code
+from hybridtron.envs.grading import GraderPool
+from hybridtron.envs.math_verify import extract_answer, grade, parse_value
+from hybridtron.envs.sandbox import SandboxConfig
 
 FAST_SANDBOX = SandboxConfig(wall_s=1.0, cpu_s=1)
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from hybridtron.post.envs.sandbox import SandboxConfig, parse_test, probe, run_python, run_tests
+from hybridtron.envs.sandbox import SandboxConfig, parse_test, probe, run_python, run_tests
 
 FAST = dict(wall_s=1.0, cpu_s=1, setup_s=3.0)
 CONFIGS = {"namespaces": SandboxConfig(**FAST), "fallback": SandboxConfig(namespaces=False, **FAST)}

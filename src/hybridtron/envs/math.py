@@ -20,8 +20,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Sequence
 
-from hybridtron.post.envs.base import Environment, Task, assistant_turn, register
-from hybridtron.post.envs.grading import GraderPool, GradingStats
+from hybridtron.envs.base import Environment, Task, assistant_turn, register
+from hybridtron.envs.grading import GraderPool, GradingStats
 
 LEVELS = (1, 2, 3, 4, 5)
 NAMES = ("Tom", "Ana", "Mia", "Ben", "Lea", "Sam", "Ivy", "Max", "Zoe", "Leo")

@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from hybridtron.post.envs.base import Environment, Task, assistant_turn, register
-from hybridtron.post.envs.math_verify import final_text
-from hybridtron.post.envs.sandbox import SandboxConfig, run_tests
+from hybridtron.envs.base import Environment, Task, assistant_turn, register
+from hybridtron.envs.math_verify import final_text
+from hybridtron.envs.sandbox import SandboxConfig, run_tests
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from hybridtron.data.tokenizer import IM_END, Tokenizer
 from hybridtron.infer.engine import generate_tokens
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.model.lm import HybridLM
-from hybridtron.post.envs import Environment, Task
-from hybridtron.post.evaluate import evaluate_env
+from hybridtron.envs import Environment, Task
+from hybridtron.eval.tasks import evaluate_env
 
 
 class Recorder(Environment):

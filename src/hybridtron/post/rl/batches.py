@@ -1,0 +1,380 @@
+"""The learner's end of the rollouts (hybridtron.post.rl.rollout): each step's `RolloutBatch` as the trainer's
+micro-batches, and the batch source that keeps the role pipeline fed.
+
+`RolloutBatches` keeps the pipeline `staleness + 1` batches ahead and hands the learner's weights to the rollout
+role after every optimizer step (`sync_weights`, which the trainer calls: hybridtron.train.loop), each time
+followed by the next request (hybridtron.post.rl.roles): batch n is generated with the weights after optimizer step
+max(0, n - 1 - staleness). Staleness 0 is synchronous RL: batch n + 1 is sampled after step n's update. Staleness
+1 is Ultra's one-step off-policy mode: batch n + 1 is sampled (in the rollout process) while step n trains, with
+the weights step n started from.
+
+Micro-batches (`RolloutMicroBatch`): rows of prompt + completion, right-padded, with the labels, the engine's
+log-probs, the advantages, the experts to replay and the scoring roles' per-token scores laid out beside them;
+under torchrun each rank's rows (and under context parallelism its chunks of their positions).
+
+Shapes: B rows (rollouts), L positions (prompt + completion - 1), C completion tokens, K experts per token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from hybridtron.dist.context_parallel import chunk_rows, chunk_rows_ahead, shard_sequence
+from hybridtron.dist.step import full_state_dict
+from hybridtron.ops.cross_entropy import IGNORE_INDEX
+from hybridtron.post.rl.roles import RolePipeline
+from hybridtron.post.rl.rollout import ROLLOUT_ROLE, Rollout, RolloutBatch, RolloutRequest
+from hybridtron.train.objectives import BatchSource, router_counts, window_targets
+
+# ------------------------------------------------------------------------------------------- packing
+@dataclass
+class RolloutMicroBatch:
+    """Rows of prompt + completion for the learner's forward, right-padded to the longest row.
+
+    input_ids [B, L]: prompt + completion[:-1]; labels [B, L]: the completion token each position predicts,
+    IGNORE_INDEX on the prompt and the padding; rollout_logprobs [B, L] beside them (0 elsewhere); advantages [B];
+    trained [B]: False for rows of groups whose rewards all agree (they carry no signal and are kept out of the
+    policy loss); valid [B, L]: not padding; expert_ids {router: [B, L, K]} (padding: experts 0..K-1); scores
+    {name: [B, L, ...]}; stats: the batch's rollout statistics (the same for every micro-batch of the step); domains:
+    each row's task domain (per-domain metrics: MOPD's reverse KL to each domain's teacher). Under context
+    parallelism a micro-batch is one share of the rows' positions (`share`): following_ids, following_labels and
+    following_valid [B, <= D] are the ids, labels and validity after it, which the MTP depths at its last positions
+    read and are scored against (None for whole rows)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    trained: torch.Tensor
+    valid: torch.Tensor
+    expert_ids: dict[str, torch.Tensor] | None
+    scores: dict[str, torch.Tensor]
+    stats: dict[str, float]
+    domains: list[str] = field(default_factory=list)
+    following_ids: torch.Tensor | None = None
+    following_labels: torch.Tensor | None = None
+    following_valid: torch.Tensor | None = None
+
+    @property
+    def completion_mask(self) -> torch.Tensor:
+        return self.labels != IGNORE_INDEX
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """The real positions, and under CP those after the share: the learner's expert counts leave out the
+        padding, whose amount depends on how rows were batched and sharded (`HybridLM.forward(counted=...)`)."""
+        return self.valid if self.following_valid is None else torch.cat([self.valid, self.following_valid], dim=1)
+
+    def mtp_targets(self, depth: int) -> torch.Tensor:
+        """MTP depth `depth`'s targets [B, L] (`hybridtron.model.lm.mtp_targets`), a share's last ones completed by
+        the labels after it."""
+        labels = self.labels if self.following_labels is None else torch.cat([self.labels, self.following_labels], 1)
+        return window_targets(labels, depth, self.labels.shape[1])
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """The tokens of the policy loss: completion tokens of informative groups."""
+        return self.completion_mask & self.trained.unsqueeze(1)
+
+    def padded(self, rows: int, length: int, pad_id: int = 0) -> "RolloutMicroBatch":
+        """This micro-batch with padding rows and positions appended up to [rows, length]: padding is no
+        completion token and not valid, so it adds nothing to any loss, count or metric."""
+        B, L = self.input_ids.shape
+        if (rows, length) == (B, L):
+            return self
+
+        def grown(tensor, fill):
+            out = torch.full((rows, length, *tensor.shape[2:]), fill, dtype=tensor.dtype)
+            out[:B, :L] = tensor
+            return out
+
+        expert_ids = None
+        if self.expert_ids is not None:  # padding routes to experts 0..K-1, as rollout_rows pads
+            expert_ids = {}
+            for name, ids in self.expert_ids.items():
+                full = torch.arange(ids.shape[-1]).expand(rows, length, ids.shape[-1]).clone()
+                full[:B, :L] = ids
+                expert_ids[name] = full
+        advantages, trained = torch.zeros(rows), torch.zeros(rows, dtype=torch.bool)
+        advantages[:B], trained[:B] = self.advantages, self.trained
+        return RolloutMicroBatch(
+            input_ids=grown(self.input_ids, pad_id), labels=grown(self.labels, IGNORE_INDEX),
+            rollout_logprobs=grown(self.rollout_logprobs, 0.0), advantages=advantages, trained=trained,
+            valid=grown(self.valid, False), expert_ids=expert_ids,
+            scores={name: grown(value, 0.0) for name, value in self.scores.items()}, stats=self.stats,
+            domains=self.domains + [""] * (rows - B))
+
+    def rows(self, start: int, stop: int, device=None) -> "RolloutMicroBatch":
+        """Rows [start, stop) (a data-parallel rank's share), on `device`."""
+        def take(tensor):
+            return tensor[start:stop].to(device)
+
+        return RolloutMicroBatch(
+            input_ids=take(self.input_ids), labels=take(self.labels), rollout_logprobs=take(self.rollout_logprobs),
+            advantages=take(self.advantages), trained=take(self.trained), valid=take(self.valid),
+            expert_ids=None if self.expert_ids is None else {k: take(v) for k, v in self.expert_ids.items()},
+            scores={k: take(v) for k, v in self.scores.items()}, stats=self.stats, domains=self.domains[start:stop])
+
+
+    def share(self, rank: int, size: int, lookahead: int) -> "RolloutMicroBatch":
+        """Cp rank `rank` of `size`'s part of every row (context parallelism: its head and tail chunks of the row's
+        positions as two rows, `hybridtron.dist.context_parallel.shard_sequence`), with the `lookahead` ids and
+        labels after each chunk. A row's own values (advantage, trained, domain) go with both its chunks."""
+        input_ids, labels_ahead, following_ids = shard_sequence(self.input_ids, self.labels, rank, size, lookahead)
+        length = input_ids.shape[1]
+        valid_ahead = chunk_rows_ahead(self.valid, rank, size, lookahead, False)
+
+        def cut(tensor):
+            return chunk_rows(tensor, rank, size)
+
+        return RolloutMicroBatch(
+            input_ids=input_ids, labels=labels_ahead[:, :length], rollout_logprobs=cut(self.rollout_logprobs),
+            advantages=self.advantages.repeat_interleave(2), trained=self.trained.repeat_interleave(2),
+            valid=valid_ahead[:, :length], expert_ids=None if self.expert_ids is None else
+            {k: cut(v) for k, v in self.expert_ids.items()},
+            scores={k: cut(v) for k, v in self.scores.items()}, stats=self.stats,
+            domains=[domain for domain in self.domains for _ in range(2)],
+            following_ids=following_ids, following_labels=labels_ahead[:, length:],
+            following_valid=valid_ahead[:, length:])
+
+
+def sharded_length(length: int, cp: int, tp: int, min_chunk: int) -> int:
+    """The positions a micro-batch of `length` is padded to so that it splits over tp, and under CP into the 2 x cp
+    head-and-tail chunks of `dist.context_parallel` (each cut into tp sequence shards), each chunk at least
+    `min_chunk` long (the Mamba conv reads the previous chunk's last inputs)."""
+    if cp == 1:
+        return -(-length // tp) * tp
+    split = 2 * cp * tp
+    return -(-max(length, 2 * cp * min_chunk) // split) * split
+
+
+def shard_micro_batch(mb: RolloutMicroBatch, parallel, pad_id: int = 0, *, lookahead: int = 0,
+                      min_chunk: int = 1) -> RolloutMicroBatch:
+    """This rank's part of a micro-batch: padded to whole rows per data-parallel rank and to `sharded_length`
+    positions (the layout check's rules for cp and tp; each CP chunk at least `min_chunk` long), then this
+    data-parallel rank's rows, and under CP its chunks of their positions with the `lookahead` (the
+    model's MTP depths) ids and labels after it. Padding at the end of a row changes nothing before it."""
+    ranks, tp, cp = parallel.layout.dp, parallel.layout.tp, parallel.layout.cp
+    B, L = mb.input_ids.shape
+    per_rank = -(-B // ranks)
+    mb = mb.padded(per_rank * ranks, sharded_length(L, cp, tp, min_chunk), pad_id)
+    start = parallel.data_rank * per_rank
+    mb = mb.rows(start, start + per_rank, parallel.device)
+    return mb.share(parallel.coordinate("cp"), cp, lookahead) if cp > 1 else mb
+
+
+def pack_micro_batches(batch: RolloutBatch, micro_batches: int, pad_id: int = 0) -> list[RolloutMicroBatch]:
+    """Split a step's rollouts into `micro_batches` micro-batches of (nearly) equal row counts (fewer if there are
+    fewer rows), rows sorted by length so that each micro-batch pads little; the losses are sums over tokens, so
+    the order changes nothing but the padding. A group is informative (its rows `trained`) when its rewards do
+    not all agree."""
+    rollouts = batch.rollouts
+    if not rollouts:
+        raise ValueError(f"rollout batch {batch.index} holds no rollouts")
+    G = batch.group_size
+    trained = []
+    for start in range(0, len(rollouts), G):
+        group = rollouts[start:start + G]
+        trained += [len({r.reward for r in group}) > 1] * len(group)
+    order = sorted(range(len(rollouts)), key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
+    rollouts, trained = [rollouts[i] for i in order], [trained[i] for i in order]
+    count = min(micro_batches, len(rollouts))
+    bounds = [round(i * len(rollouts) / count) for i in range(count + 1)]
+    return [rollout_rows(rollouts[a:b], pad_id, trained[a:b], batch.stats) for a, b in zip(bounds, bounds[1:])]
+
+
+def uniform_micro_batches(micro_batches: list[RolloutMicroBatch], count: int, pad_id: int = 0
+                          ) -> list[RolloutMicroBatch]:
+    """`count` micro-batches of one shape, for a pipeline schedule (its stages exchange fixed-shape activations, and
+    it runs a fixed number of micro-batches): each padded to the most rows and positions of any, and empty ones (all
+    padding) appended. Padding adds nothing to any loss, count or metric, so the step is the same."""
+    rows = max(mb.input_ids.shape[0] for mb in micro_batches)
+    length = max(mb.input_ids.shape[1] for mb in micro_batches)
+    empty = micro_batches[0].rows(0, 0)
+    return [mb.padded(rows, length, pad_id) for mb in micro_batches] + \
+        [empty.padded(rows, length, pad_id) for _ in range(count - len(micro_batches))]
+
+
+def rollout_rows(rollouts: list[Rollout], pad_id: int = 0, trained: list[bool] | None = None,
+                 stats: dict | None = None) -> RolloutMicroBatch:
+    """One micro-batch of `rollouts` (see RolloutMicroBatch; `trained` default: every row)."""
+    lengths = [len(r.prompt_ids) + len(r.completion_ids) - 1 for r in rollouts]
+    B, L = len(rollouts), max(lengths)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    labels = torch.full((B, L), IGNORE_INDEX, dtype=torch.long)
+    rollout_logprobs = torch.zeros(B, L, dtype=torch.float32)
+    valid = torch.zeros(B, L, dtype=torch.bool)
+    first = rollouts[0].scores
+    names = sorted(first)
+    scores = {name: torch.zeros(B, L, *first[name].shape[1:], dtype=first[name].dtype) for name in names}
+    replay = rollouts[0].expert_ids is not None
+    expert_ids = None
+    if replay:
+        k = next(iter(rollouts[0].expert_ids.values())).shape[-1]
+        expert_ids = {name: torch.arange(k).expand(B, L, k).clone() for name in rollouts[0].expert_ids}
+    for b, r in enumerate(rollouts):
+        P, C = len(r.prompt_ids), len(r.completion_ids)
+        if C == 0:
+            raise ValueError(f"rollout of task {r.task_id} has an empty completion (max_new_tokens must be >= 1)")
+        full = torch.tensor(r.prompt_ids + r.completion_ids, dtype=torch.long)
+        input_ids[b, :P + C - 1] = full[:-1]
+        labels[b, P - 1:P + C - 1] = full[P:]
+        rollout_logprobs[b, P - 1:P + C - 1] = r.logprobs
+        valid[b, :P + C - 1] = True
+        for name in names:
+            scores[name][b, P - 1:P + C - 1] = r.scores[name]
+        if replay:
+            for name, ids in r.expert_ids.items():
+                expert_ids[name][b, :P + C - 1] = ids.long()
+    return RolloutMicroBatch(
+        input_ids=input_ids, labels=labels, rollout_logprobs=rollout_logprobs,
+        advantages=torch.tensor([r.advantage for r in rollouts], dtype=torch.float32),
+        trained=torch.tensor([True] * B if trained is None else trained, dtype=torch.bool), valid=valid,
+        expert_ids=expert_ids, scores=scores, stats=dict(stats or {}), domains=[r.domain for r in rollouts])
+
+
+def rollout_router_counts(model, out) -> dict[str, torch.Tensor]:
+    """The expert counts of a learner forward on rollouts (`ObjectiveOutput.counts`; the forward counted the real
+    tokens only, `HybridLM.forward(counted=valid)`); the MTP block's routers, when the MTP loss did not run them,
+    count none."""
+    counts = router_counts(model, out)
+    for name, moe in model.routers().items():
+        counts.setdefault(name, torch.zeros(moe.gate.num_experts, dtype=torch.long))
+    return counts
+
+
+# ------------------------------------------------------------------------------------ the learner's end
+class RolloutBatches(BatchSource):
+    """The learner's end of the rollout pipeline: the trainer's batch source (hybridtron.train.objectives), each
+    step's rollouts split into `grad_accum` micro-batches (fewer if the step has fewer rows).
+
+    `pipeline`: builds a `RolePipeline` whose first role is the rollout role (more roles may follow it: scoring
+    roles that add `Rollout.scores`). The trainer hands over the learner's weights after every optimizer step
+    (`sync_weights`, step 9 of hybridtron.train.loop): they go to the rollout role, followed by the next requests
+    (none past the run's last step). `mtp_depths` and `min_chunk` (the model's MTP depths and its causal conv
+    width - 1): how a sharded learner's rows are cut under context parallelism.
+
+    `parallel` (a sharded learner under torchrun, hybridtron.dist): each rank trains on its data-parallel rows of
+    every micro-batch (`shard_micro_batch`), so the step is the one a single process takes. With `shared` (inline
+    roles, built with a `WorkShare`) every rank runs the pipeline on the full weights, which every rank gathers
+    (`dist.step.full_state_dict`), each generating and scoring its share of the step's rollouts, and every rank
+    ends with the whole batch. Otherwise (roles in processes or Ray actors) the pipeline runs on global rank 0
+    alone, with the full weights gathered there, and rank 0 broadcasts the step's batch.
+
+    The protocol (see the module docstring): after step n - 1 (before the batch of step n is taken) the weights of
+    step n - 1 go to the rollout role, followed by the request for batch n + staleness; so batch m is always sampled with the
+    weights after step max(0, m - 1 - staleness), whatever the speed of either side.
+
+    State (`state_dict`, at a step boundary): the batches consumed, the next `staleness` batches (waited for:
+    they were sampled with weights the checkpoint does not hold) and the role states after the last of them, so a
+    resumed run consumes exactly the batches the uninterrupted run would have. After a rollback (the monitor
+    restoring an older checkpoint) the run reads on with those prefetched batches, sampled by the abandoned
+    policy; the IS correction weights them as it does any stale batch."""
+
+    def __init__(self, pipeline: Callable[[], RolePipeline], *, staleness: int, grad_accum: int, pad_id: int = 0,
+                 parallel=None, shared: bool = False, mtp_depths: int = 0, min_chunk: int = 1):
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.make_pipeline, self.parallel = pipeline, parallel
+        self.mtp_depths, self.min_chunk = mtp_depths, min_chunk  # how a sharded learner's rows are cut (lookahead)
+        self.shared = shared and parallel is not None
+        self.drives_pipeline = parallel is None or parallel.is_main or self.shared
+        self.staleness, self.grad_accum, self.pad_id = staleness, grad_accum, pad_id
+        self.pipeline: RolePipeline | None = None
+        self.consumed = 0  # batches the learner has taken (= its step, unless a rollback rewound it)
+        self.requested = 0  # the highest batch index requested from the pipeline
+        self.prefetched: list[RolloutBatch] = []  # received, not yet consumed
+        self.role_states: dict[str, dict] | None = None  # after the last batch received
+        self.last_wait_s = 0.0
+
+    # ------------------------------------------------------------------------------------------ protocol
+    def _start(self) -> None:
+        self.pipeline = self.make_pipeline().start()
+        if self.role_states:
+            for role, state in self.role_states.items():
+                if state:
+                    self.pipeline.send_state(role, state)
+        self.requested = self.consumed + len(self.prefetched)
+
+    def sync_weights(self, model, version: int, total_steps: int) -> None:
+        """The trainer's call after optimizer step `version` (and at the start): the weights go to the rollout role,
+        followed by the requests up to batch `version + 1 + staleness` (none past `total_steps`). Every rank joins
+        the gathering of a sharded model."""
+        if self.parallel is None:
+            weights = model.state_dict()
+        else:  # every rank gathers; rank 0 holds the result, or every rank when each samples its share
+            weights = full_state_dict(model, self.parallel, everywhere=self.shared)
+        if not self.drives_pipeline:
+            return
+        if self.pipeline is None:
+            self._start()
+        self.pipeline.send_weights(ROLLOUT_ROLE, version, weights)
+        last = min(version + 1 + self.staleness, max(total_steps, version + 1))
+        while self.requested < last:
+            self.requested += 1
+            self.pipeline.submit(RolloutRequest(self.requested))
+
+    def next_step(self) -> list[RolloutMicroBatch]:
+        started = time.perf_counter()
+        batch = None
+        if self.drives_pipeline:
+            batch = self.prefetched.pop(0) if self.prefetched else self._receive()
+        if self.parallel is not None and not self.shared:
+            batch = self.parallel.broadcast_object(batch)
+        self.last_wait_s = time.perf_counter() - started
+        assert batch.index == self.consumed + 1, f"batch {batch.index} arrived for step {self.consumed + 1}"
+        self.consumed += 1
+        stats = {**batch.stats, "rollout_wait_s": self.last_wait_s,
+                 "policy_staleness": float(batch.index - 1 - batch.policy_version)}
+        batch.stats = stats
+        micro_batches = pack_micro_batches(batch, self.grad_accum, self.pad_id)
+        if self.parallel is not None and self.parallel.layout.pp > 1:
+            micro_batches = uniform_micro_batches(micro_batches, self.grad_accum, self.pad_id)
+        if self.parallel is not None:
+            micro_batches = [shard_micro_batch(mb, self.parallel, self.pad_id, lookahead=self.mtp_depths,
+                                               min_chunk=self.min_chunk) for mb in micro_batches]
+        return micro_batches
+
+    def _receive(self) -> RolloutBatch:
+        delivery = self.pipeline.receive()
+        self.role_states = delivery.states
+        return delivery.item
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+
+    # --------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """(Under torchrun the checkpoint keeps global rank 0's, which drives the pipeline; with `shared`, every
+        rank's is the same.)"""
+        if self.pipeline is not None:  # wait for the batches sampled with weights older than the checkpoint's
+            wanted = min(self.consumed + self.staleness, self.requested)
+            while self.consumed + len(self.prefetched) < wanted:
+                self.prefetched.append(self._receive())
+        return {"consumed": self.consumed, "prefetched": list(self.prefetched),
+                "role_states": self.role_states}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()  # a resume or a rollback: the roles restart from the state's point
+        self.consumed = state["consumed"]
+        if self.drives_pipeline:
+            self.prefetched = list(state["prefetched"])
+            self.role_states = state["role_states"]
+
+
+def rollout_pipeline_factory(specs: Sequence, backend: str, staleness: int, timeout_s: float = 3600.0
+                             ) -> Callable[[], RolePipeline]:
+    """A function building the pipeline of `specs` (rollout role first) on `backend`, its queues sized for
+    `staleness + 1` batches in flight plus the weights sent before each."""
+    capacity = 2 * (staleness + 2)
+
+    def build() -> RolePipeline:
+        return RolePipeline(list(specs), backend, capacity=capacity, timeout_s=timeout_s)
+
+    return build

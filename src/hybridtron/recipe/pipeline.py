@@ -1,0 +1,165 @@
+"""`hybridtron pipeline`: Nemotron 3 Ultra's training recipe end to end, from pretraining to MTP boosting, in one
+resumable command.
+
+The stages (hybridtron.recipe.stages) run in order, each in its run directory `OUT/<stage>/` as its command runs it
+(the command's run configuration, built from the pipeline's configuration and the stages before it, trained by the
+command's `RunCommand`), each leaving its model in `OUT/<stage>/hf/`. Every stage's command line is logged, runnable
+as printed.
+
+One configuration holds every stage (`--print-config` writes it as TOML; `--config FILE` reads one back;
+`--set STAGE.FIELD=VALUE` changes one field): `[pipeline]` (model preset, torch threads, environments' levels),
+`[eval]`, and a section per stage with `enabled`, `steps` and, as sub-tables, its command's settings
+(`[rlvr.grpo] group_size = 8` is `hybridtron grpo --set grpo.group_size=8`; `--set rlvr.grpo.group_size=8` on the
+pipeline's command line). Presets: `tiny` (the real run, sized for 2 CPU cores) and `micro` (CI). `--base DIR`
+starts from a pretrained checkpoint of one's own instead of the pretrain stage.
+
+Resumable stage by stage: a finished stage (its `stage.json` written after its command returned and its model was
+evaluated) is skipped; a stage that was killed is continued from its checkpoints, as its command's --resume does. A
+stage's fingerprint (its command line and those of the stages it builds on) is kept in `stage.json`: a
+configuration that changed a finished stage is refused, naming the stage, rather than mixing the outputs of two
+configurations. Ctrl-C stops the stage in flight as its command does (a checkpoint, then one line); the same
+pipeline command continues it.
+
+After every stage its model is evaluated the same way (hybridtron.recipe.evaluation); at the end, as in the report's
+Table 5, each MOPD stage's recovery per domain (hybridtron.recipe.render). Written to `OUT/pipeline.json`,
+printed, and drawn in `OUT/pipeline.html`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hybridtron.errors import RunInterrupted
+from hybridtron.recipe.evaluation import eval_set, evaluate_model, format_row
+from hybridtron.recipe.render import format_table, render_html, summarize
+from hybridtron.recipe.stages import (BOOST_PROMPTS, DATA_FILE, EVAL_FILE, HTML_FILE, PRESET_STAGES, RESULT_FILE,
+                                      STAGE_BY_NAME, STAGE_FILE, STAGES, PipelineConfig, active_stages, apply_changes,
+                                      check_data_tasks, command_line, data_draws, fingerprints, parse_set,
+                                      preset_config, read_json, read_pipeline_toml, stage_run, validate,
+                                      write_boost_prompts, write_stage_data)
+from hybridtron.train.config import section_values
+from hybridtron.train.run import refuse_torchrun
+
+
+def resolve_config(args) -> PipelineConfig:
+    """The preset <- the TOML file <- --set overrides, validated."""
+    config = preset_config(args.preset)
+    if args.config:
+        config = apply_changes(config, read_pipeline_toml(args.config), args.config)
+    if getattr(args, "base", None):
+        config = apply_changes(config, {"pipeline": {"base_model": args.base}, "pretrain": {"enabled": False}},
+                               "--base")
+    if args.overrides:
+        config = apply_changes(config, parse_set(args.overrides), "--set")
+    validate(config)
+    return config
+
+
+def run_stage(name: str, config: PipelineConfig, out: Path, log) -> float:
+    """Run (or continue) stage `name`; returns its wall time in seconds, writing its data included."""
+    started = time.perf_counter()
+    run_dir = out / name
+    if data_draws(name, config) and not (run_dir / DATA_FILE).is_file():
+        write_stage_data(name, config, out, log)
+    if name == "mtp_boost" and not (run_dir / BOOST_PROMPTS).is_file():
+        write_boost_prompts(config, run_dir / BOOST_PROMPTS)
+    command, run_config = stage_run(name, config, out)
+    command.check(run_config)
+    resume = command.has_started(run_dir)
+    log(f"[{name}] {'resuming' if resume else 'running'}: {command_line(name, config, out)}"
+        + (" --resume" if resume else "") + " --quiet")
+    try:
+        saved = type(run_config).load(run_dir / "run_config.json") if resume else None
+        built = command.train_in(run_config, run_dir, resume=resume, quiet=True, saved=saved)
+    except RunInterrupted as stopped:
+        stopped.resume_command = f"hybridtron pipeline --out {out} (the same configuration: it continues {name})"
+        raise
+    if built is not None:  # None: the stage had trained and exported before (killed while it was evaluated)
+        status = command.finish(built, run_dir)
+        if status:
+            log(f"[{name}] warning: hybridtron {command.name} ended with status {status} (see above)")
+    return time.perf_counter() - started
+
+
+def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str | None = None) -> dict:
+    """Every enabled stage in order (skipping the finished ones), each evaluated; then the table. `stop_after`:
+    end after that stage (what an interrupted run leaves, for tests and for running the pipeline in parts)."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    if config.pipeline.threads:
+        torch.set_num_threads(config.pipeline.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipeline_config.toml").write_text(config.to_toml())
+    prints = fingerprints(config, out)
+    eval_print = hashlib.sha256(json.dumps(section_values(config.eval), sort_keys=True).encode()).hexdigest()[:16]
+    material = eval_set(config)  # drawn first: an environment without enough test tasks fails now, not in an hour
+    check_data_tasks(config)  # and one without enough training tasks for the SFT stages' data
+    for name in active_stages(config):
+        record = read_json(out / name / STAGE_FILE)
+        if record is not None and record.get("fingerprint") != prints[name]:
+            raise ValueError(f"{out / name}: this stage was run with another configuration (or after other upstream "
+                             f"stages; see its {STAGE_FILE}); remove {out / name} and the stages after it to rerun "
+                             f"them, or choose another --out")
+        if record is not None:
+            log(f"[{name}] done ({record['seconds']:.0f}s), skipped")
+        else:
+            seconds = run_stage(name, config, out, log)
+            record = {"stage": name, "command": STAGE_BY_NAME[name].command.name, "fingerprint": prints[name],
+                      "command_line": command_line(name, config, out), "seconds": seconds,
+                      "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            (out / name / STAGE_FILE).write_text(json.dumps(record, indent=2))
+        evaluation = read_json(out / name / EVAL_FILE)
+        if evaluation is None or evaluation.get("fingerprint") != eval_print + prints[name]:
+            evaluation = {"fingerprint": eval_print + prints[name],
+                          **evaluate_model(out / name / "hf", config, material)}
+            (out / name / EVAL_FILE).write_text(json.dumps(evaluation, indent=2))
+            log(f"[{name}] " + format_row(evaluation))
+        if name == stop_after:
+            break
+    result = summarize(config, out)
+    (out / RESULT_FILE).write_text(json.dumps(result, indent=2))
+    (out / HTML_FILE).write_text(render_html(result, out))
+    return result
+
+
+# ================================================================================================ command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESET_STAGES),
+                        help="tiny: the real run, sized for 2 CPU cores; micro: a minute, for CI (default: tiny)")
+    parser.add_argument("--out", help="the pipeline's directory: one run directory per stage, pipeline.json, "
+                                      "pipeline.html (required unless --print-config)")
+    parser.add_argument("--base", metavar="DIR",
+                        help="start from this pretrained HF checkpoint (with tokenizer files) instead of the pretrain "
+                             "stage; the same as --set pipeline.base_model=DIR --set pretrain.enabled=false "
+                             "(default: none, pretrain)")
+    parser.add_argument("--config", help="a TOML file with [pipeline], [eval] and [STAGE] sections ([STAGE.SECTION] "
+                                         "tables: the stage command's settings), as --print-config writes "
+                                         "(default: none, the preset's values)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
+                        help="override one field, e.g. --set rlvr.steps=40 --set rlvr.grpo.group_size=8 --set "
+                             "eval.math_tasks=200 (repeatable)")
+    parser.add_argument("--stop-after", choices=[stage.name for stage in STAGES],
+                        help="end after this stage; the rest runs when the pipeline is run again (default: none, "
+                             "run every stage)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved configuration as TOML (which --config accepts) and exit")
+
+
+def run(args) -> int:
+    refuse_torchrun("pipeline")  # its stages run in this process, one after another
+    config = resolve_config(args)
+    if args.print_config:
+        print(config.to_toml(), end="")
+        return 0
+    if not args.out:
+        raise ValueError("--out is required: the pipeline's directory (e.g. --out runs/pipe)")
+    result = run_pipeline(config, Path(args.out), stop_after=args.stop_after)
+    print(format_table(result))
+    print(f"\n{Path(args.out) / RESULT_FILE}\n{Path(args.out) / HTML_FILE}")
+    return 0
