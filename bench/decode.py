@@ -34,7 +34,7 @@ Batch 1, greedy, fp32, on the CPU with a fixed thread count (2 by default). Thre
    1 attention) and an all-attention model of the same width and depth (every Mamba layer replaced by attention).
    The hybrid's time should stay nearly flat; attention reads a KV cache that grows with the context.
 4. `drift` (only when asked): KL of a lower-precision SSM state to the fp32 state over a long teacher-forced
-   decode of the trained bench model (`hybridtron.infer.decoder.state_quant_drift`).
+   decode of the trained bench model (`hybridtron.infer.fastpath.state_quant_drift`).
 
 Each measurement is repeated, the variants of a section back to back in each repetition, and the tables report the
 fastest repetition: on a shared machine other processes only ever add time, so the minimum is the estimate least
@@ -51,6 +51,7 @@ CPU time instead of the elapsed time (BENCHMARKS.md's decode numbers were taken 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -59,15 +60,17 @@ import torch
 
 from hybridtron.checkpoint import load_pretrained, save_pretrained
 from hybridtron.config import ATTENTION, MAMBA, ModelConfig, bench22m, parse_pattern, tiny
-from hybridtron.infer.decoder import Decoder, state_quant_drift
+from hybridtron.infer.decoder import Decoder
 from hybridtron.infer.engine import generate_tokens
-from hybridtron.infer.fastpath import lay_out_for_decoding
+from hybridtron.infer.fastpath import lay_out_for_decoding, state_quant_drift
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.speculative import SpeculativeDecoder
 from hybridtron.infer.state_quant import MODES
 from hybridtron.model.lm import HybridLM
-from hybridtron.post.mtp_boost import BoostConfig
-from hybridtron.post.mtp_boost.training import boost_mtp
+from hybridtron.post.mtp_boost import BOOST_TRAIN
+from hybridtron.post.mtp_boost.training import AcceptanceLength, BoostObjective, PoolBatches, on_policy_samples
+from hybridtron.train.hooks import Hook
+from hybridtron.train.loop import Trainer
 
 import clock
 from clock import timed
@@ -195,6 +198,30 @@ def decode_seconds(model, prompt: list[int], params: SamplingParams, draft_lengt
     return seconds, decoder.sequences[0].tokens, stats.mean_acceptance_length if stats is not None else None
 
 
+class LossRecord(Hook):
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_step_end(self, trainer, stats, decision):
+        self.losses.append(stats.losses["loss"])
+
+
+def boost_in_memory(model, prompts, eval_prompts, steps: int) -> tuple[list[tuple[int, float]], list[float]]:
+    """MTP boosting of a model that lives only here (no checkpoint directory, so not `hybridtron mtp-boost`): the
+    command's objective, pool and acceptance evaluator on the one Trainer, at the LR the bench model was measured
+    with (3e-3), 64 on-policy samples of 48 tokens, 7 depths. Returns (acceptance history, losses per step)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("mtp."))
+    pool = on_policy_samples(model, prompts, 64, 48, 1.0, seed=0)
+    acceptance = AcceptanceLength(eval_prompts, draft_length=7, max_tokens=64, every=steps)
+    record = LossRecord()
+    train = dataclasses.replace(BOOST_TRAIN, steps=steps, lr=3e-3)
+    Trainer(model, BoostObjective(depths=7, temperature=2.0), PoolBatches(pool, 8, 1, seed=0), train, None,
+            hooks=[record], evaluators=[acceptance]).train()
+    model.requires_grad_(True)  # as built
+    return acceptance.history, record.losses
+
+
 def trained_bench_model(args, log) -> tuple[HybridLM, str]:
     """The speculative section's model, trained and boosted here (or loaded from `--trained` if it is there)."""
     if args.trained and (Path(args.trained) / "config.json").is_file():
@@ -208,17 +235,14 @@ def trained_bench_model(args, log) -> tuple[HybridLM, str]:
     final_loss = train_briefly(model, args.train_steps, batch=8, length=64, lr=3e-3, log=log)
     trained_s = time.perf_counter() - started
     held_out = markov_chain(config.vocab_size, 8, 16, 0.9, seed=10_000)
-    boost = BoostConfig(steps=args.boost_steps, lr=3e-3, num_samples=64, sample_length=48, depths=7,
-                        draft_length=7, eval_tokens=64)
     started = time.perf_counter()
-    result = boost_mtp(model, [[t] for t in range(3, 67)], held_out.tolist(), boost,
-                       log=lambda line: log("  boost " + line))
+    acceptance, losses = boost_in_memory(model, [[t] for t in range(3, 67)], held_out.tolist(), args.boost_steps)
     boosted_s = time.perf_counter() - started
     record = (f"Bench model: `tiny` with vocab 512 and 16 layers (`ME*EM-MEME*EM-ME`), trained from scratch for "
               f"{args.train_steps} steps with no MTP loss on a synthetic Markov chain (final loss {final_loss:.3f}, "
               f"{trained_s:.0f}s), then its MTP block boosted from its random init for {args.boost_steps} steps "
-              f"({boosted_s:.0f}s; boosting loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}; greedy "
-              f"acceptance length at k = 7 {result.acceptance_before:.2f} -> {result.acceptance_after:.2f}).")
+              f"({boosted_s:.0f}s; boosting loss {losses[0]:.3f} -> {losses[-1]:.3f}; greedy "
+              f"acceptance length at k = 7 {acceptance[0][1]:.2f} -> {acceptance[-1][1]:.2f}).")
     if args.trained:
         save_pretrained(model, args.trained)
         (Path(args.trained) / "bench_model.txt").write_text(record)
@@ -304,7 +328,7 @@ def verification_costs(model, max_tokens: int, compiled: bool, repeats: int) -> 
     what verifying k drafts costs against one plain step, eager or compiled (the static forms)."""
     from hybridtron.infer import fastpath, steps
     from hybridtron.infer.cache import HybridCache
-    from hybridtron.infer.decoder import compile_static
+    from hybridtron.infer.steps import compile_static
 
     cache = HybridCache.allocate(model.config, 1, 512)
     cache.lengths += 200

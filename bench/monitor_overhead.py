@@ -2,11 +2,11 @@
 
 Two measurements on one model and one synthetic loader:
 
-1. In-step share (the number to trust on a shared machine): every monitor hook's `after_backward` and
-   `on_step_end` is timed inside the steps it runs in, together with the residual-RMS forward hooks, and divided
-   by those steps' own time. Load swings hit numerator and denominator alike.
-2. A/B: blocks of `--block` steps alternating between `off` (ExpertLoad and the metrics logger only) and `on`
-   (plus every monitor hook, default MonitorConfig), the order flipping each round. The difference of two step
+1. In-step share (the number to trust on a shared machine): the monitor's calls in the loop (`begin_step`, `judge`,
+   `after_update`, `mark_good`) are timed inside the steps they run in, together with the residual-RMS forward
+   hooks, and divided by those steps' own time. Load swings hit numerator and denominator alike.
+2. A/B: blocks of `--block` steps alternating between `off` (no monitor: the balance and the metrics logger only)
+   and `on` (the stability monitor, default MonitorConfig), the order flipping each round. The difference of two step
    times is only as good as the machine is quiet: the spread of the blocks is printed beside it.
 
 `every-step` repeats both with the sampled signals (residual RMS, update ratio) on every step: the worst case.
@@ -33,7 +33,9 @@ from hybridtron.model.lm import HybridLM
 from hybridtron.train import hooks as H
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.loop import Trainer
-from hybridtron.train.monitor import MonitorConfig, ResidualRMS, monitor_hooks
+from hybridtron.train.monitor import MonitorConfig, StabilityMonitor, build_monitor
+from hybridtron.train.monitor.signals import ResidualRMS
+from hybridtron.train.objectives import LoaderBatches, PretrainObjective
 
 
 class RandomLoader:
@@ -64,7 +66,7 @@ class StepTimer(H.Hook):
     def on_train_start(self, trainer):
         self.last = time.perf_counter()
 
-    def on_step_end(self, trainer, metrics):
+    def on_step_end(self, trainer, stats, decision):
         now = time.perf_counter()
         self.steps.append(now - self.last)
         self.monitor.append(self.spent)
@@ -80,14 +82,14 @@ class StepTimer(H.Hook):
         return wrapper
 
 
-def instrument(hooks: list[H.Hook], timer: StepTimer) -> None:
-    """Time every monitor hook's per-step calls and the residual-RMS forward hooks (registered at train start)."""
-    for hook in hooks:
-        hook.after_backward = timer.timed(hook.after_backward)
-        hook.on_step_end = timer.timed(hook.on_step_end)
-        if isinstance(hook, ResidualRMS):
-            record = hook._record
-            hook._record = lambda index, record=record: timer.timed(record(index))
+def instrument(monitor: StabilityMonitor, timer: StepTimer) -> None:
+    """Time the monitor's calls in the loop and the residual-RMS forward hooks (registered at train start)."""
+    for name in ("begin_step", "judge", "after_update", "mark_good"):
+        setattr(monitor, name, timer.timed(getattr(monitor, name)))
+    for signal in monitor.signals:
+        if isinstance(signal, ResidualRMS):
+            record = signal._record  # a bench may reach inside: the forward hooks are the monitor's work too
+            signal._record = lambda index, record=record: timer.timed(record(index))
 
 
 VARIANTS = {
@@ -99,10 +101,13 @@ VARIANTS = {
 
 def run_block(model, loader, train: TrainConfig, monitor: MonitorConfig | None, directory: Path) -> StepTimer:
     timer = StepTimer()
-    watch, recovery = monitor_hooks(monitor, directory, model.config, stream=io.StringIO()) if monitor else ([], [])
-    instrument(watch + recovery, timer)
-    hooks = [H.ExpertLoad(train.maxvio_window), *watch, H.MetricsLogger(directory), *recovery, timer]
-    trainer = Trainer(model, loader, train, hooks, CheckpointManager(directory / "checkpoints", keep=1))
+    watcher = None
+    if monitor is not None:
+        watcher, _ = build_monitor(monitor, directory, model.config, stream=io.StringIO())
+        instrument(watcher, timer)
+    trainer = Trainer(model, PretrainObjective(), LoaderBatches(loader, 1), train,
+                      CheckpointManager(directory / "checkpoints", keep=1), hooks=[H.MetricsLogger(directory), timer],
+                      monitor=watcher)
     trainer.train()
     trainer.checkpoints.close()
     timer.steps, timer.monitor = timer.steps[1:], timer.monitor[1:]

@@ -40,8 +40,8 @@ def main() -> None:
 
     from hybridtron.checkpoint import load_pretrained
     from hybridtron.post.grpo import GRPOConfig
-    from hybridtron.post.roles import RolePipeline, RoleSpec
-    from hybridtron.post.rollout import ROLLOUT_ROLE, RolloutRequest, RolloutRole
+    from hybridtron.post.rl.roles import RolePipeline, RoleSpec
+    from hybridtron.post.rl.rollout import ROLLOUT_ROLE, RolloutRequest, RolloutRole
 
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; torch {torch.__version__}")
     model = load_pretrained(args.model, dtype=torch.float32)

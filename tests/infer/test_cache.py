@@ -6,7 +6,7 @@ import torch
 
 from hybridtron.infer import fastpath
 from hybridtron.infer.cache import HybridCache, RecordedSteps
-from hybridtron.infer.decoder import state_quant_drift
+from hybridtron.infer.fastpath import state_quant_drift
 from hybridtron.infer.state_quant import MODES, quantize_state
 from hybridtron.model.lm import HybridLM
 from hybridtron.model.state import KVCache, MambaState

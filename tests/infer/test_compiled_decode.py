@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hybridtron.config import parse_pattern
-from hybridtron.infer.decoder import COMPILED_CACHE_MIN, Decoder, compiled_cache_length
+from hybridtron.infer.decoder import Decoder
+from hybridtron.infer.steps import COMPILED_CACHE_MIN, compiled_cache_length
 from hybridtron.infer.engine import generate_tokens
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.model.lm import HybridLM

@@ -24,7 +24,7 @@ fp32 buffer (the mixer updates the state in fp32 and writes it back in place), s
 memory saving is simulated: `memory_bytes()` counts the bytes of the stored format. The stochastic modes draw from
 the cache's own generator (seeded by `quant_seed`), so a seeded decode stays reproducible.
 
-`hybridtron.infer.decoder.state_quant_drift` measures a mode: the KL from the fp32-cache model over a teacher-forced
+`hybridtron.infer.fastpath.state_quant_drift` measures a mode: the KL from the fp32-cache model over a teacher-forced
 decode. Stochastic rounding wins where rounding errors can build up (a long SSM memory and a steady input,
 tests/infer/test_cache.py); where the state forgets quickly or the input is random, RTN's errors do not accumulate
 and SR's extra variance can make it the worse of the two. The measurements are in docs/LOG.md ("inference",

@@ -77,15 +77,13 @@ from typing import Iterator, Sequence
 import torch
 
 from hybridtron.infer import fastpath, steps
+from hybridtron.infer.steps import check_compilable, compile_static, compiled_cache_length, compiled_size
 from hybridtron.infer.cache import HybridCache, check_state_quant, resized_rows
 from hybridtron.infer.sampling import (
     RowSampling, SamplingParams, choose_tokens, exponential_noise, noise_key, row_logprobs, stream_ids,
 )
-from hybridtron.model.moe import RoutedExperts
-from hybridtron.ops.grouped_mm import grouped_mm
 
 DEFAULT_PREFILL_CHUNK = 512
-COMPILED_CACHE_MIN = 256
 STOP, LENGTH, CANCELLED = "stop", "length", "cancelled"  # finish reasons (the first two as the OpenAI API names them)
 
 
@@ -151,37 +149,6 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, limit: int)
             raise ValueError(f"prompt {index} holds token id {bad[0]} outside the vocabulary [0, {vocab_size})")
         checked.append(ids)
     return checked
-
-
-def compiled_cache_length(positions: int, limit: int) -> int:
-    """The cache size of a compiled decoder: `positions` rounded up to a power of two >= COMPILED_CACHE_MIN, at most
-    `limit` (few sizes, so few compiled graphs)."""
-    return min(limit, max(COMPILED_CACHE_MIN, 1 << (positions - 1).bit_length()))
-
-
-def check_compilable(model) -> None:
-    for module in model.modules():
-        if isinstance(module, RoutedExperts) and module.grouped_mm is not grouped_mm:
-            raise ValueError("compile: the routed experts run a swapped-in grouped GEMM, which the compiled decode "
-                             "step (experts read by index) would bypass; decode without compile")
-
-
-def compile_static(fn):
-    """`torch.compile` of a static-shape step (see the module docstring). Compiling happens at the first call of
-    each shape; dynamo keeps the code with the function, so later batches of the same shapes reuse it."""
-    # one graph per (rows, cache size, draft length, sampling flags) of a model: more than dynamo's default of 8
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    # cpp_wrapper: the compiled graph's launcher is C++ instead of Python, which saves what is left of the per-step
-    # overhead once the ops are fused (1 thread: tiny 0.55 -> 0.43 ms/token, bench22m 3.22 -> ~3.0; compile
-    # ~11 -> ~18 s)
-    return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
-
-
-def compiled_size(rows: int, compiled: set[int], capacity: int) -> int:
-    """The row count a compiled step runs over for `rows` running rows: the smallest size already compiled that
-    holds them, else the next power of two (at most `capacity`, the rows allocated)."""
-    fitting = [size for size in compiled if rows <= size <= capacity]
-    return min(fitting) if fitting else min(capacity, 1 << (rows - 1).bit_length())
 
 
 class DecodeBatch:
@@ -617,42 +584,3 @@ class Decoder:
     def __iter__(self) -> Iterator[list[list[int]]]:
         while not self.done:
             yield self.step()
-
-
-# ------------------------------------------------------------------------------------------- drift of a mode
-@dataclass
-class DriftResult:
-    mode: str
-    kl_per_position: torch.Tensor  # [T] KL(fp32-cache model || this mode), mean over the batch
-    mean_kl: float
-    last_quarter_kl: float  # mean over the last quarter of the positions, where drift has had time to build up
-
-
-@torch.no_grad()
-def state_quant_drift(model, tokens_BT: torch.Tensor, modes, seed: int = 0) -> dict[str, DriftResult]:
-    """How far decoding with a lower-precision SSM state drifts from the fp32-cache model.
-
-    Teacher forcing: every mode decodes the same tokens one at a time (the state is stored, and rounded, after
-    each token, as in generation); at each position the KL divergence from the fp32-cache model's next-token
-    distribution to this mode's is averaged over the batch. Position 0 has not read a rounded state yet (KL 0).
-    """
-    batch, length = tokens_BT.shape
-    fast = tokens_BT.device.type == "cpu"
-
-    def decode_logprobs(mode: str) -> torch.Tensor:
-        cache = HybridCache.allocate(model.config, batch, length, dtype=model.lm_head.weight.dtype,
-                                     device=tokens_BT.device, state_quant=mode, quant_seed=seed)
-        out = []
-        for t in range(length):
-            logits = fastpath.forward(model, tokens_BT[:, t:t + 1], cache, fast=fast).logits[:, -1]
-            cache.store_states()
-            out.append(torch.log_softmax(logits.double(), dim=-1))
-        return torch.stack(out, 1)  # [B, T, V]
-
-    reference = decode_logprobs("fp32")
-    results = {}
-    for mode in modes:
-        logprobs = decode_logprobs(check_state_quant(mode))
-        kl = (reference.exp() * (reference - logprobs)).sum(-1).mean(0).float()
-        results[mode] = DriftResult(mode, kl, float(kl.mean()), float(kl[-max(1, length // 4):].mean()))
-    return results

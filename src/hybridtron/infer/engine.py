@@ -66,10 +66,10 @@ import torch
 from hybridtron.data.chat import render_chat, token_text
 from hybridtron.data.tokenizer import EOS, IM_END, Tokenizer
 from hybridtron.infer.decoder import (
-    COMPILED_CACHE_MIN, DEFAULT_PREFILL_CHUNK, STOP, DecodeBatch, Decoder, SequenceState, check_prompts,
-    context_limit,
+    DEFAULT_PREFILL_CHUNK, STOP, DecodeBatch, Decoder, SequenceState, check_prompts, context_limit,
 )
 from hybridtron.infer.fastpath import lay_out_for_decoding
+from hybridtron.infer.steps import COMPILED_CACHE_MIN
 from hybridtron.infer.memory import slots_for_budget
 from hybridtron.infer.sampling import SamplingParams, noise_key
 from hybridtron.infer.scheduler import (
@@ -330,7 +330,7 @@ class HybridEngine:
         the samples of identical prompts share one prefill. A seeded `params.seed` makes the whole call reproducible
         (sample j of prompt i has the noise key of (seed, (first_prompt + i) * n + j)), whatever else the engine
         runs; `first_prompt` lets engines that each take a slice of one list of prompts sample it as one call would
-        (`hybridtron.post.roles.WorkShare`). Stop strings
+        (`hybridtron.post.rl.roles.WorkShare`). Stop strings
         (`params.stop`) end a sequence at the token that completes one. `expert_ids` needs eager decoding (an engine
         built without `compile`)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -31,6 +31,7 @@ these were measured; a GPU would rather not read expert ids and lengths back to 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridtron.config import ATTENTION, MAMBA, MOE
-from hybridtron.infer.cache import HybridCache, RecordedSteps
+from hybridtron.infer.cache import HybridCache, RecordedSteps, check_state_quant
 from hybridtron.model.attention import Attention
 from hybridtron.model.block import run_mixer
 from hybridtron.model.mamba2 import Mamba2Mixer
@@ -219,3 +220,42 @@ def lay_out_for_decoding(model: nn.Module) -> None:
             if weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.is_contiguous():
                 with torch.inference_mode(False):  # a weight made in inference mode could not be trained later
                     weight.data = transposed_storage(weight, dims)
+
+
+# ------------------------------------------------------------------------------------------- drift of a mode
+@dataclass
+class DriftResult:
+    mode: str
+    kl_per_position: torch.Tensor  # [T] KL(fp32-cache model || this mode), mean over the batch
+    mean_kl: float
+    last_quarter_kl: float  # mean over the last quarter of the positions, where drift has had time to build up
+
+
+@torch.no_grad()
+def state_quant_drift(model, tokens_BT: torch.Tensor, modes, seed: int = 0) -> dict[str, DriftResult]:
+    """How far decoding with a lower-precision SSM state drifts from the fp32-cache model.
+
+    Teacher forcing: every mode decodes the same tokens one at a time (the state is stored, and rounded, after
+    each token, as in generation); at each position the KL divergence from the fp32-cache model's next-token
+    distribution to this mode's is averaged over the batch. Position 0 has not read a rounded state yet (KL 0).
+    """
+    batch, length = tokens_BT.shape
+    fast = tokens_BT.device.type == "cpu"
+
+    def decode_logprobs(mode: str) -> torch.Tensor:
+        cache = HybridCache.allocate(model.config, batch, length, dtype=model.lm_head.weight.dtype,
+                                     device=tokens_BT.device, state_quant=mode, quant_seed=seed)
+        out = []
+        for t in range(length):
+            logits = forward(model, tokens_BT[:, t:t + 1], cache, fast=fast).logits[:, -1]
+            cache.store_states()
+            out.append(torch.log_softmax(logits.double(), dim=-1))
+        return torch.stack(out, 1)  # [B, T, V]
+
+    reference = decode_logprobs("fp32")
+    results = {}
+    for mode in modes:
+        logprobs = decode_logprobs(check_state_quant(mode))
+        kl = (reference.exp() * (reference - logprobs)).sum(-1).mean(0).float()
+        results[mode] = DriftResult(mode, kl, float(kl.mean()), float(kl[-max(1, length // 4):].mean()))
+    return results

@@ -61,7 +61,8 @@ import torch
 from hybridtron.config import MAMBA
 from hybridtron.infer import fastpath, steps
 from hybridtron.infer.cache import resized_rows
-from hybridtron.infer.decoder import DecodeBatch, Decoder, compile_static, compiled_size
+from hybridtron.infer.decoder import DecodeBatch, Decoder
+from hybridtron.infer.steps import compile_static, compiled_size
 from hybridtron.infer.memory import CATCH_UP_WIDTH  # positions a row's drafter may lag behind before catching up
 from hybridtron.infer.sampling import RowSampling, choose_tokens, exponential_noise, stream_ids
 

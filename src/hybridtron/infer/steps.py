@@ -29,8 +29,12 @@ import torch.nn.functional as F
 from hybridtron.config import ATTENTION, MAMBA, MOE
 from hybridtron.model.attention import Attention
 from hybridtron.model.mamba2 import Mamba2Mixer
+from hybridtron.model.moe import RoutedExperts
 from hybridtron.model.state import KVCache, MambaState
+from hybridtron.ops.grouped_mm import grouped_mm
 from hybridtron.ops.ssd import ssd_step
+
+COMPILED_CACHE_MIN = 256  # positions of a compiled decoder's cache at least (few sizes, so few compiled graphs)
 
 
 def attention_tokens(attention: Attention, hidden_BTD: torch.Tensor, kv: KVCache,
@@ -128,3 +132,35 @@ def mtp_tokens(model, hidden_BTD: torch.Tensor, next_tokens_BT: torch.Tensor, mt
     its outputs [B, T, D]."""
     next_embedding = model.backbone.embeddings(next_tokens_BT)
     return model.mtp(hidden_BTD, next_embedding, caches=mtp_cache.layers, lengths=lengths_B, mixer_fn=static_mixer)
+
+
+# ------------------------------------------------------------------------------------------ compiling them
+def compiled_cache_length(positions: int, limit: int) -> int:
+    """The cache size of a compiled decoder: `positions` rounded up to a power of two >= COMPILED_CACHE_MIN, at most
+    `limit` (few sizes, so few compiled graphs)."""
+    return min(limit, max(COMPILED_CACHE_MIN, 1 << (positions - 1).bit_length()))
+
+
+def check_compilable(model) -> None:
+    for module in model.modules():
+        if isinstance(module, RoutedExperts) and module.grouped_mm is not grouped_mm:
+            raise ValueError("compile: the routed experts run a swapped-in grouped GEMM, which the compiled decode "
+                             "step (experts read by index) would bypass; decode without compile")
+
+
+def compile_static(fn):
+    """`torch.compile` of a static-shape step (see the module docstring). Compiling happens at the first call of
+    each shape; dynamo keeps the code with the function, so later batches of the same shapes reuse it."""
+    # one graph per (rows, cache size, draft length, sampling flags) of a model: more than dynamo's default of 8
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # cpp_wrapper: the compiled graph's launcher is C++ instead of Python, which saves what is left of the per-step
+    # overhead once the ops are fused (1 thread: tiny 0.55 -> 0.43 ms/token, bench22m 3.22 -> ~3.0; compile
+    # ~11 -> ~18 s)
+    return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+
+
+def compiled_size(rows: int, compiled: set[int], capacity: int) -> int:
+    """The row count a compiled step runs over for `rows` running rows: the smallest size already compiled that
+    holds them, else the next power of two (at most `capacity`, the rows allocated)."""
+    fitting = [size for size in compiled if rows <= size <= capacity]
+    return min(fitting) if fitting else min(capacity, 1 << (rows - 1).bit_length())

@@ -2,7 +2,7 @@
 
 One optimizer step:
 
-1. Rollouts (hybridtron.post.rollout): `prompts_per_step` prompts drawn by the pass-rate curriculum, `group_size`
+1. Rollouts (hybridtron.post.rl.rollout): `prompts_per_step` prompts drawn by the pass-rate curriculum, `group_size`
    (G = 16) completions each from the inference engine with MTP speculative drafts, graded by the environment;
    group advantages (z-score; leave-one-out and mean-only as options); dynamic sampling drops the groups whose
    rewards all agree and refills the step, with a cap on the extra rounds.

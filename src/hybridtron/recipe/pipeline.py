@@ -39,11 +39,12 @@ import torch
 from hybridtron.errors import RunInterrupted
 from hybridtron.recipe.evaluation import eval_set, evaluate_model, format_row
 from hybridtron.recipe.render import format_table, render_html, summarize
-from hybridtron.recipe.stages import (BOOST_PROMPTS, DATA_FILE, EVAL_FILE, HTML_FILE, PRESET_STAGES, RESULT_FILE,
-                                      STAGE_BY_NAME, STAGE_FILE, STAGES, PipelineConfig, active_stages, apply_changes,
-                                      check_data_tasks, command_line, data_draws, fingerprints, parse_set,
-                                      preset_config, read_json, read_pipeline_toml, stage_run, validate,
-                                      write_boost_prompts, write_stage_data)
+from hybridtron.recipe.config import (PRESET_STAGES, PipelineConfig, apply_changes, parse_set, preset_config,
+                                      read_pipeline_toml)
+from hybridtron.recipe.stages import (BOOST_PROMPTS, DATA_FILE, EVAL_FILE, HTML_FILE, RESULT_FILE, STAGE_BY_NAME,
+                                      STAGE_FILE, STAGES, active_stages, check_data_tasks, command_line, data_draws,
+                                      fingerprints, pipeline_toml, read_json, stage_run, validate, write_boost_prompts,
+                                      write_stage_data)
 from hybridtron.train.config import section_values
 from hybridtron.train.run import refuse_torchrun
 
@@ -95,7 +96,7 @@ def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str
     if config.pipeline.threads:
         torch.set_num_threads(config.pipeline.threads)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline_config.toml").write_text(config.to_toml())
+    (out / "pipeline_config.toml").write_text(pipeline_toml(config))
     prints = fingerprints(config, out)
     eval_print = hashlib.sha256(json.dumps(section_values(config.eval), sort_keys=True).encode()).hexdigest()[:16]
     material = eval_set(config)  # drawn first: an environment without enough test tasks fails now, not in an hour
@@ -155,7 +156,7 @@ def run(args) -> int:
     refuse_torchrun("pipeline")  # its stages run in this process, one after another
     config = resolve_config(args)
     if args.print_config:
-        print(config.to_toml(), end="")
+        print(pipeline_toml(config), end="")
         return 0
     if not args.out:
         raise ValueError("--out is required: the pipeline's directory (e.g. --out runs/pipe)")

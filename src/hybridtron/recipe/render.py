@@ -10,8 +10,9 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from hybridtron.recipe.stages import (CODE_DOMAIN, EVAL_FILE, MATH_DOMAIN, STAGE_BY_NAME, STAGE_FILE, PipelineConfig,
-                                      active_stages, read_json, teacher_stages)
+from hybridtron.recipe.config import PipelineConfig
+from hybridtron.recipe.stages import (CODE_DOMAIN, EVAL_FILE, MATH_DOMAIN, STAGE_BY_NAME, STAGE_FILE, active_stages,
+                                      read_json, teacher_stages)
 from hybridtron.train import report
 
 def recovery(student: float, rlvr: float, teacher: float) -> float | None:
