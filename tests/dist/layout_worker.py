@@ -29,7 +29,7 @@ from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.train.hooks import Hook
 from hybridtron.train.loop import Trainer
 from hybridtron.train.config import TrainConfig
-from hybridtron.train.objectives import PretrainObjective
+from hybridtron.train.objectives import BatchSource, PretrainObjective
 
 
 def _tests_conftest():
@@ -54,7 +54,7 @@ def model_config():
     return _small_config()
 
 
-class SyntheticBatches:
+class SyntheticBatches(BatchSource):
     """Deterministic global micro-batches with document boundaries (labels -100 at ~6% of positions, so the ranks'
     valid-token counts differ and the loss weighting is exercised); its position is the step count."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -41,10 +42,18 @@ def environment(cache: Path) -> dict:
     return {**os.environ, "HYBRIDTRON_CACHE": str(cache), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+# A Python warning ("...: UserWarning: ...") or a torch logging warning of a rank ("[rank0]:W1205 ..."): a run prints
+# none (the ones torch printed once: FSDP2's "returned a view tensor", ShardedTensor's deprecation, DTensor's
+# "sequential all_gather operations", see dist/parallelize.py, dist/state.py and dist/step.py)
+WARNING = re.compile(r"\w+Warning: |^\[rank\d+\]:W\d{4} ", re.MULTILINE)
+
+
 def run(world: int, out: Path, cache: Path, *extra: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """A run that ends well and prints no warning (every layout of this module's runs passes here)."""
     done = subprocess.run(command(world, out, *extra), capture_output=True, text=True, timeout=timeout,
                           env=environment(cache))
     assert done.returncode == 0, done.stderr[-4000:]
+    assert not WARNING.search(done.stderr), done.stderr[-4000:]
     return done
 
 
@@ -148,12 +157,14 @@ def test_a_world_4_checkpoint_resumes_on_two_processes_with_context_parallelism(
 
 @pytest.mark.timeout(600)
 def test_a_world_4_checkpoint_resumes_with_context_and_pipeline_parallelism(runs, tmp_path):
-    """PP 2 x TP 2 -> CP 2 x PP 2: each pipeline carries the ids past its share that MTP reads, and the validation
-    loss, computed on the last stage, is a mean over both shares' targets. Also a pipeline resumed in another
-    layout: each stage keeps its own optimizer groups (the checkpoint's group 0 is one stage's)."""
+    """PP 2 x TP 2 -> CP 2 x PP 2 with the interleaved schedule (two stages per rank): each pipeline carries the ids
+    past its share that MTP reads, and the validation loss, computed on the last stage (both of a rank's stages run
+    for it), is a mean over both shares' targets. Also a pipeline resumed in another layout and stage cut: each
+    stage keeps its own optimizer groups (the checkpoint's group 0 is one stage's)."""
     root, cache = runs
     resumed = interrupted_copy(root / "world4", tmp_path / "cp2pp2", keep_step=4)
-    run(4, resumed, cache, "--resume", "--set", "dist.tp=1", "--set", "dist.cp=2")
+    run(4, resumed, cache, "--resume", "--set", "dist.tp=1", "--set", "dist.cp=2",
+        "--set", "dist.pp_schedule=interleaved-1f1b")
     got, want = records(resumed), records(root / "single")
     assert "val_loss" in got[STEPS] and any(key.startswith("mtp_loss_") for key in got[STEPS])
     assert_same_curve(got, want, range(5, STEPS + 1))
@@ -222,7 +233,9 @@ def test_kill_9_of_one_rank_with_max_restarts_recovers_in_place(runs, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_convert_turns_a_sharded_checkpoint_into_the_hf_export_and_back(runs, tmp_path):
+def test_convert_turns_a_sharded_checkpoint_into_the_hf_export_and_back_and_round_trips(runs, tmp_path):
+    """DCP -> HF -> DCP -> HF: the intermediate DCP loads into a model, and converting it again (with the config.json
+    and tokenizer files written beside it) gives the first HF export byte for byte."""
     import torch.distributed.checkpoint as dcp
 
     from hybridtron.cli import main as cli_main
@@ -242,6 +255,11 @@ def test_convert_turns_a_sharded_checkpoint_into_the_hf_export_and_back(runs, tm
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
     assert all(torch.equal(state["model"][k], exported[k]) for k in exported)
+    assert cli_main(["convert", "--from", str(tmp_path / "dcp"), "--to", str(tmp_path / "hf_again")]) == 0
+    first = sorted(path.name for path in (tmp_path / "hf").iterdir())
+    assert first == sorted(path.name for path in (tmp_path / "hf_again").iterdir())
+    for name in first:
+        assert (tmp_path / "hf" / name).read_bytes() == (tmp_path / "hf_again" / name).read_bytes(), name
 
 
 def test_convert_of_a_run_in_progress_takes_the_tokenizer_of_the_model_it_began_with(tmp_path, small_config,

@@ -67,7 +67,7 @@ def test_context_parallel_layouts_fail_with_their_reason(small_config, config, w
 
 def test_the_reason_is_the_planners(small_config):
     from hybridtron.dist.costs import cluster_for
-    from hybridtron.dist.plan import Layout, Workload, check_layout
+    from hybridtron.dist.layout import Layout, Workload, check_layout
 
     planner = check_layout(small_config(), cluster_for("h100", 8), Workload(seq_len=32, tokens_per_iter=256),
                            Layout(tp=8))

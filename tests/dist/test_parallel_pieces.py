@@ -8,9 +8,11 @@ import copy
 import pytest
 import torch
 
-from hybridtron.dist.context_parallel import own_chunks, shard_sequence
+from hybridtron.dist.context_parallel import shard_sequence
 from hybridtron.dist.expert_parallel import expert_major_order
-from hybridtron.dist.parallelize import canonical_name, parallelize
+from hybridtron.dist.parallelize import parallelize
+from hybridtron.dist.ring_attention import own_chunks
+from hybridtron.dist.state import canonical_name
 from hybridtron.dist.step import global_grad_norms
 from hybridtron.dist.tensor_parallel import Packing
 from hybridtron.model.lm import PAST_END, HybridLM

@@ -8,13 +8,10 @@ import pytest
 
 from hybridtron.cli import build_parser, main
 from hybridtron.config import ULTRA3_PATTERN, nano3, parse_pattern, super3, tiny, ultra3
-from hybridtron.dist import costs
 from hybridtron.dist.costs import GiB, checkpoint_bytes, cluster_for, group_placement, model_units, parameter_count
-from hybridtron.dist.plan import (
-    Estimate, Layout, Rejected, Workload, check_layout, estimate, pipeline_stages, plan, tensor_parallel_reason,
-)
+from hybridtron.dist.layout import Layout, Rejected, Workload, check_layout, tensor_parallel_reason
+from hybridtron.dist.plan import Estimate, estimate, pipeline_stages, plan
 from hybridtron.dist.serving import serve_plan
-from hybridtron.infer import memory as infer_memory
 from hybridtron.model.lm import HybridLM
 
 REPORT_LAYOUT = "tp=8,pp=2,cp=32,ep=128"
@@ -235,10 +232,17 @@ def test_formats_come_from_the_precision_policy():
     assert bf16_units["layer 1"].compute_copy_bytes(True) < units["layer 1"].compute_copy_bytes(True)
 
 
-def test_state_sizes_agree_with_infer_memory():
-    for config in (nano3(), super3(), ultra3()):
-        assert costs.kv_bytes_per_token(config, 1.0) == infer_memory.kv_bytes_per_token(config, "fp8")
-        assert costs.mamba_state_bytes(config) == infer_memory.mamba_state_bytes(config, "fp32", "bf16")
+def test_serving_state_per_sequence_by_hand():
+    """A sequence's state on each GPU of its attention group, by hand for Ultra at 8,192 tokens: 12 attention
+    layers of 2 kv heads x 128 in FP8, split over at most 2 TP ranks (the kv heads); 48 Mamba layers of fp32 SSM
+    state (256 heads x 64 x 128) and BF16 conv state (3 x (256 x 64 + 2 x 8 groups x 128 channels)), split by TP."""
+    kv_per_token = 12 * 2 * 2 * 128 * 1
+    mamba = 48 * (256 * 64 * 128 * 4 + 3 * (256 * 64 + 2 * 8 * 128) * 2)
+    result = serve_plan(ultra3(), cluster_for("h100", 8, hbm_gib=80), batch=1, context=8192)
+    for candidate in result.candidates:
+        tp = candidate.layout.attention_tp
+        by_hand = kv_per_token / min(tp, 2) * 8192 + mamba / tp
+        assert candidate.state_gib_per_sequence * GiB == pytest.approx(by_hand, rel=1e-12), candidate.layout
 
 
 # ---------------------------------------------------------------------------------------------------- serving

@@ -7,10 +7,9 @@ import torch
 
 from hybridtron.cli import main
 from hybridtron.config import nano3, super3, tiny, ultra3
-from hybridtron.infer.memory import (
-    conv_state_bytes, crossover_context, kv_bytes_per_token, mamba_state_bytes, memory_report, ssm_state_bytes,
-)
+from hybridtron.infer.memory import crossover_context, memory_report
 from hybridtron.infer.state_quant import quantize_state
+from hybridtron.model.memory import conv_state_bytes, kv_bytes_per_token, mamba_state_bytes, ssm_state_bytes
 
 MiB = 2 ** 20
 

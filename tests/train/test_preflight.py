@@ -3,15 +3,19 @@ bf16 matmuls are slow is announced, with both measured rates, before the first s
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from hybridtron.cli import main
+from hybridtron.dist.config import DistConfig
 from hybridtron.train import preflight
+from hybridtron.train.config import TrainConfig
 
 SLOW_BF16 = (170.0, 8.0)  # (fp32, bf16) GFLOP/s: an AVX2-only EPYC (issue 10, item 20)
 FAST_BF16 = (170.0, 160.0)  # AMX or AVX512-BF16
@@ -78,7 +82,8 @@ def test_a_preset_that_cannot_fit_fails_before_allocating(tmp_path):
     started = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", PROBE.format(limit=24 << 30, gib=24), "pretrain", "--preset",
                              "nano3", "--out", str(tmp_path / "run"), "--quiet"], capture_output=True, text=True,
-                            timeout=120, env={"HYBRIDTRON_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"})
+                            timeout=120, env={"HYBRIDTRON_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin",
+                                                 "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
     elapsed = time.perf_counter() - started
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
@@ -91,6 +96,58 @@ def test_a_preset_that_cannot_fit_fails_before_allocating(tmp_path):
     assert peak_gib < 1.0, f"the process grew to {peak_gib:.2f} GiB: it allocated before refusing"
     assert elapsed < 60
     assert not list((tmp_path / "run").rglob("*.distcp")), "no checkpoint was written"
+
+
+def test_a_preset_that_cannot_fit_stops_every_torchrun_rank_before_allocating(tmp_path):
+    """Under torchrun each rank checks its share of the layout (here FSDP over 2 processes, which share this
+    machine's memory): the ranks stop, exit code 2, before the model is built (a rank still checking when another
+    has stopped is stopped by torchrun); rank 0 prints the one-line estimate."""
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "hybridtron", "pretrain", "--preset", "nano3", "--out", str(tmp_path / "run"),
+                             "--quiet"], capture_output=True, text=True, timeout=180,
+                            env={**os.environ, "HYBRIDTRON_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    errors = re.findall(r"hybridtron pretrain: error: this run needs about ([\d.]+) GiB to train per process in "
+                        r"layout dp_replicate=1,dp_shard=2,cp=1,tp=1,pp=1,ep=1,etp=1 \(31.58B parameters.*; "
+                        r"([\d.]+) GiB for the 2 processes on this machine\), but cpu has [\d.]+ GiB available",
+                        result.stderr)
+    assert len(errors) == 1, result.stderr
+    codes = re.findall(r"exitcode\s*: (-?\d+)", result.stderr)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, result.stderr  # refused, or stopped by torchrun (SIGTERM)
+    per_process, both = map(float, errors[0])
+    assert per_process > 235 and abs(both - 2 * per_process) < 0.2  # half of nano3's 470 GiB of fp32 state each
+    assert "[rank" not in result.stderr, "no rank printed a traceback"
+    assert time.perf_counter() - started < 90
+    assert not list((tmp_path / "run").rglob("*.distcp"))
+
+
+def test_a_ranks_share_divides_what_the_layout_divides(small_config):
+    config, tokens = small_config(), 4 * 64
+    one = preflight.training_memory(config, tokens)
+    for layout in ({}, {"tp": 2}, {"ep": 2}):
+        share = preflight.training_memory(config, tokens, dist_config=DistConfig(**layout), world=2)
+        assert share.state_bytes == pytest.approx(one.state_bytes / 2, rel=1e-6), layout  # FSDP, TP or EP x FSDP
+        assert share.activation_bytes < one.activation_bytes * 0.6, layout  # half the rows, or TP's sequence shards
+    stage = preflight.training_memory(config, tokens, dist_config=DistConfig(pp=2),
+                                      train=TrainConfig(grad_accum=2), world=2)
+    assert one.state_bytes / 2 <= stage.state_bytes < one.state_bytes  # the fullest stage holds most
+    assert stage.activation_bytes > one.activation_bytes / 2  # 1F1B: stage 0 keeps 2 micro-batches in flight
+    recomputed = preflight.training_memory(config, tokens, train=TrainConfig(recompute="full"))
+    assert recomputed.activation_bytes < one.activation_bytes and recomputed.state_bytes == one.state_bytes
+    bf16 = preflight.training_memory(config, tokens, train=TrainConfig(precision="bf16"))
+    assert bf16.activation_bytes == pytest.approx(one.activation_bytes / 2, abs=2)  # fp32 keeps twice the bytes
+
+
+def test_processes_on_one_machine_share_its_memory_and_a_gpu_keeps_a_reserve(small_config, monkeypatch):
+    config = small_config()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(preflight, "available_memory", lambda device: 1 << 20)  # 1 MiB
+    with pytest.raises(ValueError, match=r"for the 2 processes on this machine\), but cpu has 0.0 GiB available"):
+        preflight.check_memory(config, 256, torch.device("cpu"))
+    gpu = preflight.training_memory(config, 256, world=2, device=torch.device("cuda", 0))
+    assert gpu.processes == 1 and gpu.reserve_bytes == 4 << 30
 
 
 def test_the_quickstart_fits():

@@ -1,5 +1,6 @@
 """Scale-out on torch.distributed: plan a layout, then build the meshes and apply it (docs/SCALE.md).
 
+    layout.py                       a layout's degrees, the workload, the structural rules every check shares
     plan.py, costs.py, serving.py   the planner: pure, config + cluster + workload -> ranked layouts, memory, comms
     config.py                       the `[dist]` section (DistConfig)
     mesh.py                         the layout checked with the planner's rules, the process groups, the meshes

@@ -20,10 +20,12 @@ def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Te
 
 
 def _sum_and_slice(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """A copy of this rank's slice of the sum: a view would keep the whole sum alive as its base (and FSDP2 warns of
+    a wrapped module's output that is a view, as the experts' output under ETP is)."""
     x = x.contiguous()
     dist.all_reduce(x, group=group)
     size = x.shape[dim] // dist.get_world_size(group)
-    return x.narrow(dim, dist.get_rank(group) * size, size)
+    return x.narrow(dim, dist.get_rank(group) * size, size).clone()
 
 
 class _GatherShares(torch.autograd.Function):

@@ -3,7 +3,7 @@
     world = dp_replicate x dp_shard x cp x tp x pp          (dp_shard = -1: whatever the other degrees leave)
     EP borrows ranks from dp_shard x cp x tp; the experts are FSDP-sharded over the rest (efsdp)
 
-The degrees are the planner's (`hybridtron.dist.plan.Layout`): `hybridtron plan --layout ...` explains a layout
+The degrees are the planner's (`hybridtron.dist.layout.Layout`): `hybridtron plan --layout ...` explains a layout
 before any process starts, and a run checks its layout with the planner's rules before it builds a process group.
 This module is plain data (no torch import), so the run configuration can hold it.
 """
@@ -11,6 +11,7 @@ This module is plain data (no torch import), so the run configuration can hold i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 BACKENDS = ("auto", "nccl", "gloo")
 PP_SCHEDULES = ("1f1b", "interleaved-1f1b", "gpipe")
@@ -30,6 +31,8 @@ class DistConfig:
     pp_schedule: str = "1f1b"  # 1f1b | interleaved-1f1b (two stages per rank) | gpipe
     ep_capacity_factor: float = 0.0  # 0 = dropless; > 0: each expert takes at most ceil(cf x tokens x k / E) rows
     cp_attention: str = "all-gather"  # all-gather: every rank gets the sequence's K/V; ring: K/V pass rank to rank
+
+    RESUMABLE: ClassVar = "all"  # a checkpoint resumes under any layout and world size (hybridtron.dist.state)
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "etp"):

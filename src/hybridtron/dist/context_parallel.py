@@ -41,17 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridtron.dist.collectives import gather_shares
-from hybridtron.dist.ring_attention import ring_attention
+from hybridtron.dist.ring_attention import own_chunks, ring_attention
 from hybridtron.model.attention import Attention
 from hybridtron.model.lm import PAST_END
 from hybridtron.model.mamba2 import Mamba2Mixer
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.ops.ssd import ssd_chunked
-
-
-def own_chunks(rank: int, size: int) -> tuple[int, int]:
-    """The chunks of a sequence (of 2 x `size`) that cp rank `rank` holds: its head and its tail."""
-    return rank, 2 * size - 1 - rank
 
 
 def _own_of_each_row(chunks: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -5,14 +5,15 @@
 
 DCP -> HF reads the model tensors of a checkpoint written by any world size and layout (DCP stores them in the
 single-process layout, `hybridtron.dist.state`) into one process and writes config.json and safetensors; the
-model config comes from the run's run_config.json (two levels up from the step directory) or `--config`. The
-tokenizer files come from the run's HF export, or, for a post-training run still in progress, from the model it
-began with (run_config.json's `base_model`; MOPD's `student`). The optimizer state and the trainer state are left
-behind.
+model config comes from `--config`, else the config.json beside the checkpoint (what HF -> DCP writes), else the
+run's run_config.json (two levels up from the step directory). The tokenizer files come from beside the
+checkpoint, else the run's HF export, or, for a post-training run still in progress, from the model it began with
+(run_config.json's `base_model`; MOPD's `student`). The optimizer state and the trainer state are left behind.
 
 HF -> DCP writes `{"model": state dict}` as a DCP checkpoint: a model-only checkpoint that `dcp.load` reads into a
-sharded model at any world size (`torch.distributed.checkpoint.state_dict.set_model_state_dict`). The tokenizer
-files, when the HF directory has them, are copied beside it.
+sharded model at any world size (`torch.distributed.checkpoint.state_dict.set_model_state_dict`), with the HF
+config.json and, when the HF directory has them, the tokenizer files beside it; so its own output converts back,
+DCP -> HF -> DCP -> HF, to the same weights bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from hybridtron.checkpoint.hf import load_pretrained, save_pretrained
+from hybridtron.config import ModelConfig
+from hybridtron.model.lm import HybridLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -36,23 +43,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "run_config.json two levels above --from)")
 
 
-def model_config_of(source: Path, config: str | None):
-    from hybridtron.config import ModelConfig
-
-    path = Path(config) if config else source.parent.parent / "run_config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no model config for {source} (pass --config with a run_config.json or "
-                                f"an HF config.json)")
+def model_config_of(source: Path, config: str | None) -> ModelConfig:
+    """The model config of the DCP checkpoint `source`: `config` (a run_config.json or an HF config.json), else the
+    config.json beside it, else its run's run_config.json."""
+    candidates = [Path(config)] if config else [source / "config.json", source.parent.parent / "run_config.json"]
+    path = next((candidate for candidate in candidates if candidate.is_file()), None)
+    if path is None:
+        raise FileNotFoundError(f"{candidates[-1]}: no model config for {source} (pass --config with a "
+                                f"run_config.json or an HF config.json)")
     raw = json.loads(path.read_text())
     return ModelConfig.from_hf(raw["model"] if "model" in raw and "train" in raw else raw)
 
 
 def dcp_to_hf(source: Path, target: Path, config: str | None = None) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    from hybridtron.checkpoint.hf import save_pretrained
-    from hybridtron.model.lm import HybridLM
-
     model = HybridLM(model_config_of(source, config), init=False)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that it runs in one process: intended
@@ -60,7 +63,7 @@ def dcp_to_hf(source: Path, target: Path, config: str | None = None) -> None:
         dcp.load(state, checkpoint_id=str(source))
     model.load_state_dict(state["model"])
     save_pretrained(model, target)
-    tokenizer = tokenizer_dir_of(source.parent.parent)
+    tokenizer = source if (source / "tokenizer.json").is_file() else tokenizer_dir_of(source.parent.parent)
     if tokenizer is None:
         print(f"convert: no tokenizer found for {source} (no {source.parent.parent / 'hf'} with tokenizer.json, no "
               f"base_model or student in its run_config.json): copy tokenizer.json and tokenizer_config.json into "
@@ -84,10 +87,6 @@ def tokenizer_dir_of(run_dir: Path) -> Path | None:
 
 
 def hf_to_dcp(source: Path, target: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    from hybridtron.checkpoint.hf import load_pretrained
-
     model = load_pretrained(source)
     target.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():

@@ -38,6 +38,8 @@ import math
 from dataclasses import dataclass
 
 from hybridtron.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
+from hybridtron.model.lm import HybridLM
+from hybridtron.numerics.policy import precision_plan
 
 GiB = 1024 ** 3
 
@@ -226,9 +228,6 @@ class Unit:
 @functools.lru_cache(maxsize=16)
 def model_units(config: ModelConfig, recipe: str = "nvfp4", policy: str = "ultra") -> tuple[Unit, ...]:
     """The model as pipeline units, parameters counted on the meta device and formats from the precision policy."""
-    from hybridtron.model.lm import HybridLM
-    from hybridtron.numerics.policy import precision_plan
-
     model = HybridLM.on_meta(config)
     plan = precision_plan(model, recipe, policy)
     by_module = {g.name: g for g in plan}
@@ -327,21 +326,7 @@ def core_flops_per_token(config: ModelConfig, kind: str, seq_len: int) -> float:
     return 0.0
 
 
-# ------------------------------------------------------------------------------------------ serving state
-def kv_bytes_per_token(config: ModelConfig, element_bytes: float = 1.0) -> float:
-    """K and V of every backbone attention layer for one token (FP8 by default); `infer.memory` agrees (tested)."""
-    layers = sum(kind == ATTENTION for kind in config.layers_block_type)
-    return layers * 2 * config.num_key_value_heads * config.head_dim * element_bytes
-
-
-def mamba_state_bytes(config: ModelConfig) -> float:
-    """fp32 SSM state and BF16 conv state of every Mamba layer for one sequence, constant in the context."""
-    layers = sum(kind == MAMBA for kind in config.layers_block_type)
-    ssm = config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * 4
-    conv = (config.conv_kernel - 1) * config.conv_channels * 2
-    return layers * (ssm + conv)
-
-
+# ------------------------------------------------------------------------------------------ serving weights
 def checkpoint_bytes(config: ModelConfig, checkpoint: str, include_mtp: bool = True) -> tuple[float, float]:
     """(bytes of the non-expert weights, bytes of the routed experts) of a serving checkpoint."""
     if checkpoint not in SERVING_CHECKPOINTS:

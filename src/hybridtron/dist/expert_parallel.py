@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
@@ -178,8 +179,6 @@ class ExpertParallelExperts(nn.Module):
 def dropped_shares(model: nn.Module, group) -> dict[str, float]:
     """`ep_dropped/<router>`: the share of (token, expert) rows each capacity-limited MoE layer dropped since
     the last call, over the ranks of `group` (the pipeline stage's); {} when no layer drops by capacity."""
-    import torch.distributed as dist
-
     layers = {name: moe.experts for name, moe in model.routers().items()
               if isinstance(moe.experts, ExpertParallelExperts) and moe.experts.capacity_factor}
     if not layers:

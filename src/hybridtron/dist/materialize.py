@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.state import packings
+from hybridtron.dist.state import canonical_name, packings
 from hybridtron.model.lm import HybridLM
 
 
@@ -43,8 +43,6 @@ def materialize(model: nn.Module, parallel: Parallel | None) -> nn.Module:
     """Allocate `model`'s meta tensors on this rank's device (the CPU without `parallel`) and fill each with its
     part of the single-process initialization (module docstring). `model` is a meta-built HybridLM after
     `parallelize`: cut to this rank's pipeline stages, sharded, wrapped, or as built."""
-    from hybridtron.dist.parallelize import canonical_name  # parallelize imports this module
-
     device = parallel.device if parallel is not None else torch.device("cpu")
     model.to_empty(device=device)
     local = {canonical_name(name): tensor

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from hybridtron.config import ModelConfig
 from hybridtron.dist.config import DistConfig
 from hybridtron.dist.costs import cluster_for
-from hybridtron.dist.plan import Layout, Workload, check_layout
+from hybridtron.dist.layout import Layout, Workload, check_layout
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "etp")
@@ -49,10 +49,19 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def run_device(config: DistConfig) -> torch.device:
+    """The device this process trains on: cuda:LOCAL_RANK under torchrun where CUDA is present and the backend is
+    not gloo, else the CPU (a plain process, or one torchrun process on CPU)."""
+    world, _, local_rank = world_from_env()
+    if torch.cuda.is_available() and config.backend != "gloo" and (world > 1 or launched_by_torchrun()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
 def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batch_size: int, grad_accum: int,
                      seq_len: int, context_parallel: bool = False) -> Layout:
     """The layout of `config` on `world` processes, or a ValueError with the reason it cannot run: the planner's
-    structural rules first (`plan.check_layout`, the one-line reasons `hybridtron plan --layout` gives), then what
+    structural rules first (`layout.check_layout`, the one-line reasons `hybridtron plan --layout` gives), then what
     training itself needs (whole rows per data-parallel rank, whole sequence shards per TP rank, CP chunks that
     split over TP and are no shorter than the conv's reach), then what it does not implement (context parallelism
     where the run does not take it, `context_parallel=False`)."""
@@ -196,17 +205,14 @@ def init_parallel(config: DistConfig, model: ModelConfig, *, batch_size: int, gr
     and `backend` is not gloo, else the CPU) and build the meshes. None for a plain process, and for one torchrun
     process on CPU with `backend=auto`: those train with no process group. One torchrun process on CUDA (a
     one-GPU run), or with a named backend, is a world of one on the distributed path."""
-    world, rank, local_rank = world_from_env()
+    world, rank, _ = world_from_env()
     layout = check_run_layout(config, model, world, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
                               context_parallel=context_parallel)
-    cuda = torch.cuda.is_available() and config.backend != "gloo"
-    if world == 1 and not (launched_by_torchrun() and (cuda or config.backend != "auto")):
+    device = run_device(config)
+    if world == 1 and not (launched_by_torchrun() and (device.type == "cuda" or config.backend != "auto")):
         return None
-    if cuda:
-        device = torch.device("cuda", local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     backend = _backend(config, device)
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("dist.backend=nccl needs CUDA devices; this machine has none (use gloo or auto)")

@@ -33,6 +33,7 @@ under TP each rank quantizes its own weight shard, with the shard's amax.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -41,12 +42,14 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hybridtron.config import MOE
+from hybridtron.dist.context_parallel import apply_context_parallel
 from hybridtron.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from hybridtron.dist.materialize import is_meta, materialize
 from hybridtron.dist.mesh import Parallel
+from hybridtron.dist.pipeline import Pipeline, StageView, cut_for_rank
+from hybridtron.dist.tensor_parallel import apply_tensor_parallel
 
 RECOMPUTE_MODES = ("none", "selective", "full")
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 # Selective recompute keeps what is expensive to redo (GEMMs, attention, the chunked scan's matmuls, every
 # collective) and recomputes the element-wise rest; the planner's "selective" (costs.py) assumes the same.
@@ -61,20 +64,25 @@ _SAVED_OPS = {
 }
 
 
-def canonical_name(name: str) -> str:
-    """A parameter's name without the wrappers' prefixes (activation checkpointing, compile): the name a single
-    process gives it, which checkpoints, metrics and the monitor use."""
-    for prefix in WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 # FSDP's hooks on modules nested in a block (the routed experts under EP, the token-wise weights under TP) open
 # profiler ranges a different number of times when the block is recomputed in the backward; those ops carry no data,
 # so selective checkpointing may skip them as it skips the detaches it inserts itself.
 torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_enter_new.default,
                                           torch.ops.profiler._record_function_exit.default,
                                           torch.ops.profiler._record_function_exit._RecordFunction}
+
+
+# FSDP2 warns whenever a module it wraps returns a view, since an in-place op on that view would drop its
+# pre-backward hook (pytorch/pytorch#181832). Ours are views by construction and never modified in place: TP's
+# outputs of the embedding and lm_head (`DTensor.to_local`, which the root returns with the logits) and the
+# embeddings a pipeline stage passes on (`pipeline.StageView`: a stage's outputs must not be its inputs). The model
+# computes out of place, and a skipped all-gather would break the equality of every layout's losses and gradients
+# with one process's (tests/dist/test_parallel_layouts.py). Avoiding the views would copy the logits. Upstream
+# replaces the warning by one at an actual mutation (pytorch/pytorch#197154); until then it is silenced for these
+# modules only.
+warnings.filterwarnings(
+    "ignore", category=UserWarning, module=r"torch\.distributed\.fsdp\._fully_shard\._fsdp_state",
+    message=r"FSDP2-wrapped module \((FSDPEmbedding|FSDP\w*Linear|FSDPHybridLM|FSDPStageView)\) returned a view")
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
@@ -104,16 +112,10 @@ def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str =
     layout = parallel.layout if parallel is not None else None
     views = None
     if layout is not None and layout.pp > 1:
-        from hybridtron.dist.pipeline import cut_for_rank
-
         stage_indices, cuts, num_stages = cut_for_rank(model, parallel, seq_len)
     if layout is not None and layout.cp > 1:  # before TP, which wraps the forward of the class it finds
-        from hybridtron.dist.context_parallel import apply_context_parallel
-
         apply_context_parallel(model, parallel.group("cp"), parallel.config.cp_attention)
     if layout is not None and layout.tp > 1:
-        from hybridtron.dist.tensor_parallel import apply_tensor_parallel
-
         apply_tensor_parallel(model, parallel)
     if layout is not None and (layout.ep > 1 or layout.etp > 1 or parallel.config.ep_capacity_factor > 0):
         apply_expert_parallel(model, parallel.meshes["ep_etp"], parallel.config.ep_capacity_factor)
@@ -129,8 +131,6 @@ def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str =
             block.compile(backend=compile_backend)
         _set(parent, key, block)
     if layout is not None and layout.pp > 1:
-        from hybridtron.dist.pipeline import Pipeline, StageView
-
         views = [StageView(model, cuts[i], first=i == 0, last=i == num_stages - 1) for i in stage_indices]
     if parallel is not None:
         apply_fsdp(model, parallel, output_reduce_dtype, roots=views)

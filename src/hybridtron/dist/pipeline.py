@@ -32,13 +32,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS,
+)
 
 from hybridtron.config import ModelConfig
 from hybridtron.dist.costs import cluster_for
 from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.plan import Workload, pipeline_stages
-from hybridtron.model.lm import counted_at_depth, embed_ahead
+from hybridtron.model.lm import counted_at_depth, cross_entropy, embed_ahead
 from hybridtron.ops.cross_entropy import cross_entropy_sum_and_count
 
 
@@ -246,8 +248,6 @@ class Pipeline:
     def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, sum_over_shares=None) -> float:
         """The next-token CE of one batch (no MTP), computed on the last stage and known to every rank. Under CP
         (`sum_over_shares`: a sum over the cp group) the batch is a share: the CE over all the shares' targets."""
-        from hybridtron.model.lm import cross_entropy
-
         def batch_loss(outputs, index):
             if sum_over_shares is None:
                 return cross_entropy(outputs[0], labels)
@@ -256,7 +256,9 @@ class Pipeline:
 
         losses: list[torch.Tensor] = []
         stages = self.stages("eval", tuple(input_ids.shape))
-        schedule = self._schedule(stages, 1, batch_loss, "gpipe")
+        # one micro-batch through every stage this rank holds (two under the interleaved schedule)
+        schedule = ScheduleLoopedBFS(stages, 1, loss_fn=batch_loss) if len(stages) > 1 else \
+            ScheduleGPipe(stages[0], 1, loss_fn=batch_loss)
         self._run(schedule, "eval", input_ids, 1, losses=losses)
         value = float(losses[0]) if losses else None
         return self.parallel.broadcast_object(value, src=self.loss_rank)

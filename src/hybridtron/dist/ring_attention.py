@@ -29,6 +29,12 @@ import torch
 import torch.distributed as dist
 
 
+def own_chunks(rank: int, size: int) -> tuple[int, int]:
+    """The chunks of a sequence (of 2 x `size`) that cp rank `rank` holds: its head and its tail (the placement of
+    `context_parallel`, which the ring follows)."""
+    return rank, 2 * size - 1 - rank
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T / sqrt(d)) v, its log-sum-exp [R, H, T]) of one query chunk over one key chunk, in fp32:
@@ -88,8 +94,6 @@ def _future(scores: torch.Tensor) -> torch.Tensor:
 def _pairs(rank: int, source: int, size: int) -> list[tuple[int, int, bool]]:
     """(query slot, key slot, causal) of every block rank `rank` computes with the chunks of rank `source`: its
     head (slot 0, chunk rank) and tail (slot 1, chunk 2 size - 1 - rank) against the source's, earlier or equal."""
-    from hybridtron.dist.context_parallel import own_chunks
-
     ours, theirs = own_chunks(rank, size), own_chunks(source, size)
     return [(qs, ks, c == j) for qs, c in enumerate(ours) for ks, j in enumerate(theirs) if j <= c]
 

@@ -24,10 +24,9 @@ import math
 from dataclasses import dataclass
 
 from hybridtron.config import ATTENTION, MOE, ModelConfig
-from hybridtron.dist.costs import (
-    GiB, SERVING_CHECKPOINTS, Cluster, checkpoint_bytes, kv_bytes_per_token, mamba_state_bytes, model_units,
-)
-from hybridtron.dist.plan import divisors, tensor_parallel_reason
+from hybridtron.dist.costs import GiB, SERVING_CHECKPOINTS, Cluster, checkpoint_bytes, model_units
+from hybridtron.dist.layout import divisors, tensor_parallel_reason
+from hybridtron.model.memory import kv_bytes_per_token, mamba_state_bytes
 
 
 @dataclass(frozen=True)
@@ -98,8 +97,10 @@ def serve_estimate(config: ModelConfig, cluster: Cluster, layout: ServeLayout, b
     dense_bytes, expert_bytes = checkpoint_bytes(config, checkpoint)
     weights = dense_bytes / t + expert_bytes / gpus
     free = cluster.hbm_gib - weights / GiB
-    kv_per_gpu = kv_bytes_per_token(c) / min(t, c.num_key_value_heads)  # kv heads beyond TP replicate, not split
-    state = kv_per_gpu * context + mamba_state_bytes(c) / t
+    # FP8 KV cache (kv heads beyond TP replicate, not split), fp32 SSM and BF16 conv state
+    kv_per_gpu = kv_bytes_per_token(c, "fp8") / min(t, c.num_key_value_heads)
+    mamba_per_gpu = mamba_state_bytes(c, "fp32", "bf16") / t
+    state = kv_per_gpu * context + mamba_per_gpu
     per_group = max(0, int((free - cluster.runtime_reserve_gib) * GiB // state))
     sequences_per_group = -(-batch // d)
 
@@ -116,7 +117,7 @@ def serve_estimate(config: ModelConfig, cluster: Cluster, layout: ServeLayout, b
         expert_read = read_experts * touched / gpus
     hbm = cluster.hbm_gbps * 1e9 * cluster.hbm_efficiency
     weight_read_s = (read_dense / t + expert_read) / hbm
-    state_read_s = sequences_per_group * (kv_per_gpu * context + 2 * mamba_state_bytes(c) / t) / hbm  # KV; state r+w
+    state_read_s = sequences_per_group * (kv_per_gpu * context + 2 * mamba_per_gpu) / hbm  # KV; state r+w
 
     backbone = [u for u in model_units(config) if u.name.startswith("layer") or u.name == "head"]
     dense_active = sum(u.dense_params for u in backbone)

@@ -3,23 +3,32 @@
 `get_state_dict` gives every parameter and optimizer state as a DTensor under its single-process name, so DCP
 reshards it to whatever layout loads it. One exception needs care: a TP-packed parameter (Mamba's in_proj and
 conv1d, `tensor_parallel.Packing`) is stored rank-major, so its DTensor's global layout is not the single-process
-one. `checkpoint_state` presents each such tensor as a ShardedTensor of the single-process layout instead: this
-rank's rows, cut into the runs they form in that layout, as views of the same storage. A save writes the
-single-process layout; a load reads into the views, so the parameters and optimizer states change in place.
+one. `checkpoint_state` presents each such tensor in the single-process layout instead: a DTensor whose local
+tensor is DCP's `LocalShardsWrapper`, this rank's rows cut into the runs they form in that layout, each at its
+offset there, as views of the same storage (DCP's successor to ShardedTensor for a rank that holds several pieces
+of a tensor). A save writes the single-process layout; a load reads into the views, so the parameters and
+optimizer states change in place.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard as LocalShard
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from hybridtron.dist.mesh import Parallel
+
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without the wrappers' prefixes (activation checkpointing, compile): the name a single
+    process gives it, which checkpoints, metrics and the monitor use."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def _rows(tensor: DTensor) -> tuple[int, int]:
@@ -35,46 +44,34 @@ def packings(model: torch.nn.Module) -> dict:
 
 def checkpoint_state(state: dict, model: torch.nn.Module, parallel: Parallel | None) -> dict:
     """`state` ({"model": ..., "optimizer": ...} from get_state_dict) with every TP-packed tensor replaced by a
-    ShardedTensor view in the single-process layout; the rest is shared, not copied."""
+    view in the single-process layout; the rest is shared, not copied."""
     packed = packings(model)
     if parallel is None or not packed:
         return state
-    group = parallel.group("dp_shard_cp_tp")  # the ranks of one replica of one stage: each row held once
-    me = dist.get_rank(group)
-    runs = {name: packing.canonical_runs(*_rows(state["model"][name])) for name, packing in packed.items()}
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, runs, group=group)
     model_state = dict(state["model"])
     optimizer_state = {**state["optimizer"], "state": dict(state["optimizer"]["state"])}
-    for name in packed:
-        all_runs = [(rank, rank_runs[name]) for rank, rank_runs in enumerate(everyone)]
-        model_state[name] = _sharded_view(model_state[name], runs[name], all_runs, me, group)
-        per_param = dict(optimizer_state["state"].get(name, {}))
-        for key, value in per_param.items():
-            if isinstance(value, DTensor) and value.shape == model_state[name].shape:
-                per_param[key] = _sharded_view(value, runs[name], all_runs, me, group)
-        if name in optimizer_state["state"]:
-            optimizer_state["state"][name] = per_param
+    for name, packing in packed.items():
+        parameter = model_state[name]
+        runs = packing.canonical_runs(*_rows(parameter))
+        model_state[name] = _canonical_view(parameter, runs)
+        if name in optimizer_state["state"]:  # Adam's moments share the parameter's layout; its step does not
+            optimizer_state["state"][name] = {
+                key: _canonical_view(value, runs) if isinstance(value, DTensor) and value.shape == parameter.shape
+                else value for key, value in optimizer_state["state"][name].items()}
     return {**state, "model": model_state, "optimizer": optimizer_state}
 
 
-def _sharded_view(tensor: DTensor, my_runs, all_runs, me: int, group) -> ShardedTensor:
+def _canonical_view(tensor: DTensor, runs: list[tuple[int, int, int]]) -> DTensor:
+    """`tensor` (rank-major) as this rank's `runs` (canonical row, local row, length) of the single-process layout.
+    Built directly, not by `DTensor.from_local`, which would view the wrapper as a whole (unsupported for several
+    pieces of a 3-D tensor, conv1d's weight); DCP reads only the pieces and the global shape."""
     local = tensor.to_local()
-    rest = list(tensor.shape[1:])
-    device = local.device
-
-    def metadata(rank, canonical, length):
-        return ShardMetadata(shard_offsets=[canonical] + [0] * len(rest), shard_sizes=[length] + rest,
-                             placement=f"rank:{rank}/{device}")
-
-    shards = [LocalShard(local.narrow(0, offset, length), metadata(me, canonical, length))
-              for canonical, offset, length in my_runs]
-    everything = [metadata(rank, canonical, length) for rank, runs in all_runs for canonical, _, length in runs]
-    properties = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
-                                  memory_format=torch.contiguous_format, pin_memory=False)
-    global_metadata = ShardedTensorMetadata(shards_metadata=everything, size=tensor.shape,
-                                            tensor_properties=properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_metadata, process_group=group)
+    rest = [0] * (tensor.dim() - 1)
+    pieces = LocalShardsWrapper([local.narrow(0, offset, length) for _, offset, length in runs],
+                                [torch.Size([canonical, *rest]) for canonical, _, _ in runs])
+    spec = DTensorSpec(tensor.device_mesh, tensor.placements,
+                       tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype))
+    return DTensor(pieces, spec, requires_grad=False)
 
 
 def canonical_full_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:

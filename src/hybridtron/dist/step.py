@@ -15,17 +15,18 @@ for every parameter group at once.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridtron.dist.context_parallel import shard_sequence
 from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.parallelize import canonical_name
-from hybridtron.dist.state import canonical_full_state
+from hybridtron.dist.state import canonical_full_state, canonical_name
 
 
 class DataParallelBatches:
@@ -63,6 +64,9 @@ class DataParallelBatches:
             raise ValueError("context parallelism splits (input_ids [B, T], labels [B, T]) micro-batches; this batch "
                              f"source yields {type(micro_batch).__name__}")
         return shard_sequence(*micro_batch, self.parallel.coordinate("cp"), self.parallel.layout.cp, self.lookahead)
+
+    def sync_weights(self, model, version, total_steps):
+        self.batches.sync_weights(model, version, total_steps)
 
     def state_dict(self):
         return self.batches.state_dict()
@@ -155,15 +159,35 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Te
         torch._foreach_mul_(local, coefficient.to(local[0].device))
 
 
+class _SequentialGathers(logging.Filter):
+    """Drops DTensor's note that it will gather a tensor sharded over two mesh dimensions (FSDP over TP or EP
+    shards: `_StridedShard`, `Shard`) in sequential all-gathers, which "may give inconsistent results between
+    ranks due to different reduction orders": an all-gather copies, it reduces nothing, so the results are exact
+    whatever the order, and a full state is gathered once per export or weight sync, where one more collective's
+    latency does not matter. Its other notes (reductions among them) pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_gather operations will be performed" not in record.getMessage()
+
+
+def _full_model_state(model: torch.nn.Module, cpu_offload: bool) -> dict[str, torch.Tensor]:
+    """`get_model_state_dict`'s full state, without DTensor's note on sequential gathers (`_SequentialGathers`)."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    quiet = _SequentialGathers()
+    logger.addFilter(quiet)
+    try:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+    finally:
+        logger.removeFilter(quiet)
+
+
 def full_state_dict(model: torch.nn.Module, parallel: Parallel, everywhere: bool = False
                     ) -> dict[str, torch.Tensor] | None:
     """The whole model's state, in canonical names and on the CPU, on global rank 0 (None elsewhere), or with
     `everywhere` on every rank. Every rank must call it; under PP each stage gathers its own part, and rank 0
     merges them (with `everywhere`: every rank, from the ranks of its pp group, one per stage)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     if everywhere:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        state = _full_model_state(model, cpu_offload=False)
         state = canonical_full_state({name: tensor.cpu() for name, tensor in state.items()}, model)
         if parallel.layout.pp == 1:
             return state
@@ -171,10 +195,10 @@ def full_state_dict(model: torch.nn.Module, parallel: Parallel, everywhere: bool
         dist.all_gather_object(stages, state, group=parallel.group("pp"))
         return {name: tensor for stage in stages for name, tensor in stage.items()}
     if parallel.layout.pp == 1:  # cpu_offload: the full tensors land on global rank 0 only
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = _full_model_state(model, cpu_offload=True)
         return canonical_full_state(state, model) if parallel.is_main else None
-    state = canonical_full_state({name: tensor.cpu() for name, tensor in get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True)).items()}, model)
+    state = canonical_full_state({name: tensor.cpu() for name, tensor in
+                                  _full_model_state(model, cpu_offload=False).items()}, model)
     first_of_stage = parallel.coordinate("dp_replicate") == parallel.coordinate("dp_shard") == \
         parallel.coordinate("cp") == parallel.coordinate("tp") == 0
     parts = [None] * parallel.world if parallel.is_main else None

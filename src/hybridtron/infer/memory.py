@@ -1,12 +1,5 @@
-"""KV cache and Mamba state memory of a model at a context and batch.
-
-Attention layers cache one K and one V row per token: `attention layers * 2 * kv heads * head_dim * bytes`
-per token, growing with the context. Mamba-2 layers keep a constant state per sequence:
-  - SSM state [heads, head_dim, ssm_state_size] (fp32 by default; the report's figure of 384 MiB for Ultra is
-    this part only: 256 * 64 * 128 * 4 B * 48 layers),
-  - conv state [conv_kernel - 1, inner + 2 * n_groups * ssm_state_size]: the last K-1 conv inputs (bf16 by default,
-    the activation dtype), as vLLM and `hybridtron.infer.cache` keep it.
-An int8 SSM state (`hybridtron.infer.state_quant`) also stores one fp32 scale per block of 128 along the state axis.
+"""KV cache and Mamba state memory of a model at a context and batch (the bytes per token and per sequence are
+`hybridtron.model.memory`'s).
 
 The crossover is the shortest context at which the KV cache of a sequence is at least as large as its Mamba state:
 below it the constant Mamba state dominates, above it the KV cache does. Ultra, FP8 KV, fp32 SSM + bf16 conv:
@@ -30,63 +23,14 @@ import math
 from dataclasses import asdict, dataclass
 
 from hybridtron.config import ATTENTION, MAMBA, PRESETS, ModelConfig, preset
+from hybridtron.model.memory import (  # INT8_BLOCK for infer.state_quant, which reads it here
+    BYTES_PER_ELEMENT, CONV_DTYPES, INT8_BLOCK, KV_DTYPES, STATE_DTYPES, conv_state_bytes, count_layers,
+    kv_bytes_per_token, mamba_state_bytes, ssm_state_bytes,
+)
 
-BYTES_PER_ELEMENT = {"fp8": 1, "int8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
-KV_DTYPES = ("fp8", "bf16", "fp16", "fp32")
-STATE_DTYPES = ("fp32", "fp16", "bf16", "int8")
-CONV_DTYPES = ("fp32", "fp16", "bf16")
-INT8_BLOCK = 128  # elements per fp32 scale of an int8 SSM state, along ssm_state_size (as state_quant stores it)
 CATCH_UP_WIDTH = 64  # positions a speculative engine's drafter may lag the backbone (`hybridtron.infer.speculative`)
-SCALE_BYTES = 4
 MiB = 1024 ** 2
 GiB = 1024 ** 3
-
-
-def _dtype_bytes(dtype: str, allowed: tuple[str, ...], field: str) -> int:
-    if dtype not in allowed:
-        raise ValueError(f"{field}: unknown dtype {dtype!r}; expected one of {', '.join(allowed)}")
-    return BYTES_PER_ELEMENT[dtype]
-
-
-def count_layers(config: ModelConfig, kind: str, include_mtp: bool = False) -> int:
-    """Layers of one kind in the backbone, plus those of the stored MTP block when `include_mtp`."""
-    count = sum(k == kind for k in config.layers_block_type)
-    if include_mtp and config.has_mtp:
-        count += sum(k == kind for k in config.mtp_layers_block_type)
-    return count
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype: str = "fp8", include_mtp: bool = False) -> int:
-    """K and V of every attention layer for one token of one sequence.
-
-    include_mtp adds the MTP block's attention layer: a speculative decoder caches its keys and values too (one
-    cache for the stored block, shared by its depths, as vLLM lays it out).
-    """
-    element = _dtype_bytes(dtype, KV_DTYPES, "kv dtype")
-    layers = count_layers(config, ATTENTION, include_mtp)
-    return layers * 2 * config.num_key_value_heads * config.head_dim * element
-
-
-def ssm_state_bytes(config: ModelConfig, dtype: str = "fp32") -> int:
-    """SSM state of every Mamba layer for one sequence (with the fp32 block scales when int8)."""
-    element = _dtype_bytes(dtype, STATE_DTYPES, "state dtype")
-    rows = config.mamba_num_heads * config.mamba_head_dim
-    per_layer = rows * config.ssm_state_size * element
-    if dtype == "int8":
-        per_layer += rows * math.ceil(config.ssm_state_size / INT8_BLOCK) * SCALE_BYTES
-    return count_layers(config, MAMBA) * per_layer
-
-
-def conv_state_bytes(config: ModelConfig, dtype: str = "bf16") -> int:
-    """Conv state of every Mamba layer for one sequence: the last conv_kernel - 1 inputs of x, B and C."""
-    element = _dtype_bytes(dtype, CONV_DTYPES, "conv dtype")
-    channels = config.conv_channels
-    return count_layers(config, MAMBA) * (config.conv_kernel - 1) * channels * element
-
-
-def mamba_state_bytes(config: ModelConfig, dtype: str = "fp32", conv_dtype: str = "bf16") -> int:
-    """SSM + conv state of every Mamba layer for one sequence; constant in the context length."""
-    return ssm_state_bytes(config, dtype) + conv_state_bytes(config, conv_dtype)
 
 
 def crossover_context(kv_per_token: int, state_per_sequence: int) -> int | None:

@@ -1,14 +1,22 @@
 """Checks before training starts: will the run fit in memory, and is the chosen precision fast on this machine.
 
-Memory (`training_memory`): an estimate, not a measurement, so that a preset that cannot fit fails before it
-allocates anything, with its numbers:
+Memory (`check_memory`): an estimate, not a measurement, so that a run that cannot fit fails on every rank before
+it allocates anything, with its numbers. It is the planner's per-GPU memory model (`hybridtron.dist.plan.estimate`,
+what `hybridtron plan --layout` prints) applied to the run's layout, on the fullest rank (the fullest pipeline
+stage):
 
-    weights + gradients + AdamW's two moments   16 bytes per parameter (fp32 master weights, the MTP block included)
-    activations                                  tokens per micro-batch x layers x hidden x ACTIVATION_BYTES_PER_UNIT
-                                                 (what autograd keeps for the backward: projections, norms, scans)
-    logits                                       tokens x vocab x 8 bytes (the fp32 logits and their gradient)
+    weights, gradients, AdamW's two moments   16 bytes per parameter (fp32), this rank's shard: FSDP divides them
+                                              by its degree, TP by tp, EP the routed experts by ep, PP by stage
+    gathered weights                          the blocks in flight, gathered by FSDP, and one unsharded gradient
+    activations                               what the micro-batches in flight keep for the backward on this rank
+                                              (its rows and, under CP, its positions; TP's sequence shards), under
+                                              `train.recompute`, the logits of lm_head and the MTP depths included
 
-against the memory this process can get: MemAvailable of /proc/meminfo on a CPU, free device memory on a GPU.
+The planner counts BF16 activations and compute copies, as a GPU run keeps them; a run that computes in fp32
+(`train.precision` fp32, and nvfp4 / mxfp8, which are emulated in fp32) keeps twice the bytes, and is counted so.
+Against the memory this process can get: free device memory on its GPU (less the planner's runtime reserve for the
+CUDA context and communication buffers), or MemAvailable of /proc/meminfo shared by the processes torchrun started
+on this machine (LOCAL_WORLD_SIZE) on a CPU.
 
 bf16 on a CPU (`bf16_slowdown`): torch runs bf16 matmuls natively only where the CPU has AMX or AVX512-BF16; on
 others (an AVX2-only EPYC, for one) each bf16 GEMM is converted element by element and runs 25x or more slower than
@@ -24,33 +32,67 @@ from dataclasses import dataclass
 
 import torch
 
-BYTES_PER_PARAMETER = 16  # fp32 weight, fp32 gradient, AdamW exp_avg and exp_avg_sq
-ACTIVATION_BYTES_PER_UNIT = 64  # measured order of magnitude for the tiny preset's fp32 step; an estimate
+from hybridtron.config import ModelConfig
+from hybridtron.dist.config import DistConfig
+from hybridtron.dist.costs import GiB, cluster_for, parameter_count
+from hybridtron.dist.layout import Layout, Workload
+from hybridtron.dist.mesh import run_device, world_from_env
+from hybridtron.dist.plan import Estimate, estimate
+from hybridtron.train.config import TrainConfig
+
 BF16_SLOWDOWN_WARNING = 4.0  # warn when a bf16 matmul is this many times slower than fp32
+PLANNER_RECIPES = {"nvfp4": "nvfp4", "mxfp8": "mxfp8"}  # train.precision -> the planner's recipe (else bf16)
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    parameters: int
+    """One rank's share of a run, in bytes (module docstring)."""
+
+    layout: Layout
+    parameters: int  # of the whole model
     state_bytes: int
+    gathered_bytes: int
     activation_bytes: int
-    logits_bytes: int
+    reserve_bytes: int
+    tokens: int  # per micro-batch on this rank, before TP's sequence split
+    processes: int  # processes sharing this memory: those on this machine for the CPU's, one for a GPU's
 
     @property
     def total_bytes(self) -> int:
-        return self.state_bytes + self.activation_bytes + self.logits_bytes
+        """Of one process."""
+        return self.state_bytes + self.gathered_bytes + self.activation_bytes + self.reserve_bytes
 
 
-def training_memory(model_config, micro_batch_tokens: int) -> MemoryEstimate:
-    from hybridtron.model.lm import HybridLM
-
-    parameters = HybridLM.on_meta(model_config).num_parameters(include_mtp=True)
-    layers = model_config.num_hidden_layers + len(model_config.mtp_layers_block_type) * model_config.mtp_depths
-    heads = 1 + model_config.mtp_depths
-    return MemoryEstimate(parameters=parameters, state_bytes=parameters * BYTES_PER_PARAMETER,
-                          activation_bytes=micro_batch_tokens * layers * model_config.hidden_size
-                          * ACTIVATION_BYTES_PER_UNIT,
-                          logits_bytes=micro_batch_tokens * model_config.vocab_size * 8 * heads)
+def training_memory(model_config: ModelConfig, micro_batch_tokens: int, *, train: TrainConfig | None = None,
+                    dist_config: DistConfig | None = None, world: int = 1,
+                    device: torch.device | None = None) -> MemoryEstimate:
+    """One rank's share of training `model_config` on `world` processes in the `dist_config` layout (default: the
+    default layout, FSDP over every process), `micro_batch_tokens` tokens per global micro-batch (every
+    data-parallel rank's rows), with `train`'s gradient accumulation, recompute and precision (default: the
+    defaults); `device` the rank's (default: the CPU)."""
+    train = TrainConfig() if train is None else train
+    dist_config = DistConfig() if dist_config is None else dist_config
+    device = torch.device("cpu") if device is None else device
+    layout = Layout(**dist_config.degrees(world))
+    # the rows a data-parallel rank takes of a micro-batch, as one sequence: memory depends on the tokens alone
+    rank_tokens = micro_batch_tokens // layout.dp
+    workload = Workload(seq_len=rank_tokens, tokens_per_iter=micro_batch_tokens * train.grad_accum,
+                       recompute=train.recompute, recipe=PLANNER_RECIPES.get(train.precision, "bf16"),
+                       policy=train.precision_policy)
+    # memory never binds here (`check_memory` compares with what the device has); the GPU kind sets no figure used
+    cluster = cluster_for("h100", world, gpus_per_node=world, nvlink_domain=world, hbm_gib=float(2 ** 40))
+    result = estimate(model_config, cluster, workload, layout)
+    if not isinstance(result, Estimate):
+        raise ValueError(f"dist layout {layout} on {world} processes: {result.reason}")
+    memory, computes = result.memory, 1 if train.precision == "bf16" else 2  # fp32 bytes over the planner's BF16
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    return MemoryEstimate(
+        layout=layout, parameters=parameter_count(model_config),
+        state_bytes=round((memory.master_weights + memory.gradients + memory.optimizer) * GiB),
+        gathered_bytes=round(memory.compute_weights * computes * GiB),
+        activation_bytes=round(memory.activations * computes * GiB),
+        reserve_bytes=round(memory.reserve * GiB) if device.type == "cuda" else 0,
+        tokens=rank_tokens // layout.cp, processes=min(local, world))
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -74,18 +116,32 @@ def gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def check_memory(model_config, micro_batch_tokens: int, device: torch.device, name: str) -> MemoryEstimate:
-    """Raise ValueError, before anything is allocated, when the estimate exceeds what is available."""
-    estimate = training_memory(model_config, micro_batch_tokens)
+def check_memory(model_config: ModelConfig, micro_batch_tokens: int, device: torch.device | None = None,
+                 name: str = "this run", *, train: TrainConfig | None = None,
+                 dist_config: DistConfig | None = None) -> MemoryEstimate:
+    """Raise ValueError, before anything is allocated, when this rank's share of the run (`training_memory`, on
+    the world torchrun started, or one process) exceeds what its device has available. Every rank calls it and
+    reaches the same verdict (a rank that stops makes torchrun stop the others). `device`: the rank's (default:
+    `dist.mesh.run_device`, cuda:LOCAL_RANK or the CPU)."""
+    dist_config = DistConfig() if dist_config is None else dist_config
+    device = run_device(dist_config) if device is None else device
+    world = world_from_env()[0]
+    share = training_memory(model_config, micro_batch_tokens, train=train, dist_config=dist_config, world=world,
+                            device=device)
     available = available_memory(device)
-    if available is not None and estimate.total_bytes > available:
+    needed = share.total_bytes * share.processes
+    if available is not None and needed > available:
+        where = "" if world == 1 else f" per process in layout {share.layout}"
+        rank = "" if world == 1 else " on the fullest rank"
+        machine = f"; {gib(needed)} for the {share.processes} processes on this machine" * (share.processes > 1)
         raise ValueError(
-            f"{name} needs about {gib(estimate.total_bytes)} to train ({estimate.parameters / 1e9:.2f}B parameters: "
-            f"{gib(estimate.state_bytes)} of weights, gradients and AdamW state; {gib(estimate.activation_bytes)} of "
-            f"activations and {gib(estimate.logits_bytes)} of logits for {micro_batch_tokens} tokens per "
-            f"micro-batch), but {device.type} has {gib(available)} available; use a smaller preset, fewer tokens per "
-            f"micro-batch (data.batch_size, data.seq_len) or more machines")
-    return estimate
+            f"{name} needs about {gib(share.total_bytes)} to train{where} ({share.parameters / 1e9:.2f}B parameters: "
+            f"{gib(share.state_bytes)} of weights, gradients and AdamW state{rank}; {gib(share.gathered_bytes)} for "
+            f"the blocks in flight; {gib(share.activation_bytes)} of activations and logits for {share.tokens} tokens "
+            f"per micro-batch{machine}), but {device} has {gib(available)} available; use a smaller preset, fewer "
+            f"tokens per micro-batch (data.batch_size, data.seq_len), train.recompute or more "
+            f"{'GPUs' if device.type == 'cuda' else 'machines'}")
+    return share
 
 
 def matmul_rate(dtype: torch.dtype, size: int = 512, seconds: float = 0.05) -> float:
