@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hybridtron.config import ModelConfig
+from hybridtron.model.lm import HybridLM
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -161,7 +162,6 @@ def from_disk_state(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[
 
 def load_pretrained(directory: str | Path, *, dtype: torch.dtype | None = None, device="cpu",
                     config: ModelConfig | None = None, **config_overrides):
-    from hybridtron.model.lm import HybridLM
 
     directory = Path(directory)
     if not directory.is_dir():

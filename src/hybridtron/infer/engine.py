@@ -63,22 +63,42 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
+from hybridtron.checkpoint.hf import load_pretrained
 from hybridtron.data.chat import render_chat, token_text
 from hybridtron.data.tokenizer import EOS, IM_END, Tokenizer
 from hybridtron.infer.decoder import (
-    DEFAULT_PREFILL_CHUNK, STOP, DecodeBatch, Decoder, SequenceState, check_prompts, context_limit,
+    DEFAULT_PREFILL_CHUNK,
+    STOP,
+    DecodeBatch,
+    Decoder,
+    SequenceState,
+    check_prompts,
+    context_limit,
 )
 from hybridtron.infer.fastpath import lay_out_for_decoding
-from hybridtron.infer.steps import COMPILED_CACHE_MIN
 from hybridtron.infer.memory import slots_for_budget
 from hybridtron.infer.sampling import SamplingParams, noise_key
 from hybridtron.infer.scheduler import (
-    DEFAULT_MAX_QUEUE, DEFAULT_MAX_STEP_TOKENS, MAX_TOP_LOGPROBS, Completion, EngineError, EngineStats, QueueFull,
-    RequestHandle, Scheduler, TokenEvent, completion_of,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_STEP_TOKENS,
+    MAX_TOP_LOGPROBS,
+    Completion,
+    EngineError,
+    EngineStats,
+    QueueFull,
+    RequestHandle,
+    Scheduler,
+    TokenEvent,
+    completion_of,
 )
 from hybridtron.infer.speculative import (
-    DEFAULT_MAX_DRAFT_LENGTH, AcceptanceStats, SpeculativeBatch, SpeculativeDecoder, check_drafter,
+    DEFAULT_MAX_DRAFT_LENGTH,
+    AcceptanceStats,
+    SpeculativeBatch,
+    SpeculativeDecoder,
+    check_drafter,
 )
+from hybridtron.infer.steps import COMPILED_CACHE_MIN
 from hybridtron.infer.text import SequenceText, TextStream
 
 __all__ = ["Completion", "EngineError", "EngineStats", "HybridEngine", "QueueFull", "RequestHandle", "TokenEvent",
@@ -415,7 +435,6 @@ def load_engine(model_dir: str | Path, speculative: bool | None = True, draft_le
     acceptance). Other options as for `HybridEngine` (`compile`: the decode steps compiled, see
     `hybridtron.infer.decoder`; the first generation of each shape pays the compile).
     """
-    from hybridtron.checkpoint.hf import load_pretrained
 
     model_dir, name = resolve_checkpoint_dir(model_dir)
     tokenizer_file = model_dir / "tokenizer.json"

@@ -19,6 +19,9 @@ import argparse
 import sys
 import time
 
+from hybridtron.infer.engine import load_engine
+from hybridtron.infer.sampling import ParamError, SamplingParams
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
@@ -89,8 +92,6 @@ def warm_up(engine, prompt_ids: list[int], params) -> float:
 
 
 def run(args) -> int:
-    from hybridtron.infer.engine import load_engine
-    from hybridtron.infer.sampling import ParamError, SamplingParams
 
     try:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

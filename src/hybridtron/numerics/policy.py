@@ -30,7 +30,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hybridtron.config import ATTENTION, MAMBA, MLP, MOE, PRESETS, KIND_TO_PATTERN_CHAR
+from hybridtron.config import ATTENTION, KIND_TO_PATTERN_CHAR, MAMBA, MLP, MOE, PRESETS, preset
+from hybridtron.model.lm import HybridLM
+from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
+from hybridtron.numerics.linear import QuantLinear, QuantRecipe, quantized_grouped_mm
 
 if TYPE_CHECKING:  # the converters import torch when they run: `precision --help` and `plan` read this module
     from torch import nn
@@ -162,7 +165,6 @@ def precision_plan(model: nn.Module, recipe: str = "nvfp4", policy: str = "ultra
 def recipe_for(fmt: str, *, stochastic_rounding: bool = True, rht: bool = True, two_d_weights: bool = True,
                seed: int = 0) -> QuantRecipe:
     """The QuantRecipe of one format; the NVFP4 switches apply to nvfp4 GEMMs only."""
-    from hybridtron.numerics.linear import QuantRecipe
 
     if fmt == "nvfp4":
         return QuantRecipe(format="nvfp4", stochastic_rounding=stochastic_rounding, rht=rht,
@@ -182,7 +184,6 @@ def apply_precision(model: nn.Module, recipe: str = "nvfp4", policy: str = "ultr
     """
     from torch import nn
 
-    from hybridtron.numerics.linear import QuantLinear, quantized_grouped_mm
 
     if recipe != "nvfp4" and not (stochastic_rounding and rht and two_d_weights):
         raise ValueError(f"stochastic_rounding/rht/two_d_weights are nvfp4 switches; recipe is {recipe!r}")
@@ -292,8 +293,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from hybridtron.config import preset
-    from hybridtron.model.lm import HybridLM
 
     model = HybridLM.on_meta(preset(args.preset))
     plan = precision_plan(model, args.recipe, args.policy)
@@ -305,7 +304,6 @@ def convert_for_training(model: nn.Module, train) -> list[GemmAssignment] | None
     """The numerics converters a training run applies from its ``[train]`` section (a TrainConfig), in order:
     the precision policy for ``precision`` nvfp4/mxfp8 (fp32 and bf16, which is autocast, leave the GEMMs as
     they are), then the output layer's gradient accumulation in ``grad_accum_dtype``. Returns the plan."""
-    from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
 
     plan = None
     if train.precision in ("nvfp4", "mxfp8"):

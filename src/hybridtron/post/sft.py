@@ -228,7 +228,7 @@ def build_sft(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, stre
     main = parallel is None or parallel.is_main
     quiet = quiet or not main
     tokenizer = load_chat_tokenizer(config.base_model, vocab_size=model_config.vocab_size)
-    prepare_process(train, model_config, sft.seq_len * sft.batch_size, stream)
+    prepare_process(train, model_config, sft.seq_len * sft.batch_size, stream, config.dist)
 
     data = build_sft_data(load_conversations(config.data, sft), tokenizer, sft.data_config())
     if main:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from hybridtron.checkpoint.dcp import CheckpointManager, saved_keys, step_of
 from hybridtron.dist.expert_parallel import dropped_shares
+from hybridtron.dist.parallelize import set_output_reduce_dtype
 from hybridtron.dist.state import checkpoint_state
 from hybridtron.dist.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics
 from hybridtron.errors import RunInterrupted
@@ -324,7 +325,6 @@ class Trainer:
         if dtype is not None and dtype != self.config.grad_accum_dtype:
             self.config = dataclasses.replace(self.config, grad_accum_dtype=dtype)
             if self.parallel is not None:  # FSDP: the output layer's dtype is that of its gradient reduction
-                from hybridtron.dist.parallelize import set_output_reduce_dtype
 
                 set_output_reduce_dtype(self.model, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
             else:

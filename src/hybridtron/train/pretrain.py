@@ -45,7 +45,7 @@ def build_pretraining(config: RunConfig, out: Path, checkpoints, *, quiet: bool,
                               grad_accum=train.grad_accum, seq_len=config.data.seq_len, context_parallel=True)
     main = parallel is None or parallel.is_main
     quiet = quiet or not main
-    prepare_process(train, model_config, config.data.seq_len * config.data.batch_size, stream)
+    prepare_process(train, model_config, config.data.seq_len * config.data.batch_size, stream, config.dist)
 
     with parallel.main_first() if parallel is not None else contextlib.nullcontext():  # one rank fills the cache
         data = build_data(config.data, total_sequences=train.steps * train.grad_accum * config.data.batch_size)

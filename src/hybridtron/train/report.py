@@ -31,6 +31,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridtron.train.balance import max_violation_bound
+from hybridtron.train.monitor import EVENTS_FILE, ROLLED_BACK_FILE
+
 ACTION_STYLE = {  # colour and marker of each event action on the plots
     "warn": ("#b8860b", "o"), "skip": ("#ff7f0e", "v"), "rollback": ("#d62728", "X"), "anneal": ("#9467bd", "X"),
     "rolled_back": ("#d62728", "s"), "annealed": ("#9467bd", "s"), "mark_good": ("#2ca02c", "^"),
@@ -102,7 +105,6 @@ class RunData:
     @property
     def bound(self) -> float | None:
         """MaxVio's bound E/K from the run's model config; None without one (a run that has not started)."""
-        from hybridtron.train.balance import max_violation_bound
 
         model = self.config.get("model", {})
         if model.get("n_routed_experts") and model.get("num_experts_per_tok"):
@@ -132,7 +134,6 @@ def router_label(key: str) -> str:
 
 
 def load_run(run_dir: Path) -> RunData:
-    from hybridtron.train.monitor import EVENTS_FILE, ROLLED_BACK_FILE
 
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run directory")
@@ -148,7 +149,6 @@ def load_run(run_dir: Path) -> RunData:
 # ================================================================================================ summary
 def summary(data: RunData) -> str:
     """A few lines for the terminal: progress, losses, balance, residual spread, events."""
-    from hybridtron.train.monitor import ROLLED_BACK_FILE
 
     lines = []
     planned = data.planned_steps

@@ -51,7 +51,8 @@ import torch
 from hybridtron.checkpoint.dcp import CheckpointManager, step_of
 from hybridtron.checkpoint.hf import save_pretrained
 from hybridtron.data.chat import save_tokenizer_files
-from hybridtron.dist.mesh import init_parallel, world_from_env
+from hybridtron.dist.config import DistConfig
+from hybridtron.dist.mesh import init_parallel, run_device
 from hybridtron.dist.parallelize import parallelize
 from hybridtron.dist.step import DataParallelBatches, full_state_dict
 from hybridtron.errors import RunInterrupted
@@ -422,14 +423,15 @@ def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: in
                          context_parallel=context_parallel)
 
 
-def prepare_process(train, model_config, micro_batch_tokens: int, stream=None) -> None:
-    """Before anything is built: refuse a single-process run that cannot fit in memory (a sharded one is sized by
-    `hybridtron plan --layout`), warn of a slow bf16 CPU and of a schedule that will not do what its settings
-    suggest, set the thread count and the seed (model initialization and everything after it draw from it)."""
+def prepare_process(train, model_config, micro_batch_tokens: int, stream=None, dist_config=None) -> None:
+    """Before anything is built: refuse a run whose share on this rank (the whole of it in one process; under
+    torchrun the `[dist]` layout's share, `dist_config`) cannot fit in memory, on every rank; warn of a slow bf16 CPU
+    and of a schedule that will not do what its settings suggest; set the thread count and the seed (model
+    initialization and everything after it draw from it)."""
     stream = sys.stderr if stream is None else stream
-    device = torch.device("cpu")
-    if world_from_env()[0] == 1:
-        check_memory(model_config, micro_batch_tokens, device, "this run")
+    dist_config = DistConfig() if dist_config is None else dist_config
+    check_memory(model_config, micro_batch_tokens, train=train, dist_config=dist_config)
+    device = run_device(dist_config)
     if is_main_process():
         slow_bf16 = bf16_warning(train.precision, device)
         for warning in ([slow_bf16] if slow_bf16 else []) + [f"warning: {w}" for w in train.schedule_warnings()]:

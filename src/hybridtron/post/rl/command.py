@@ -107,7 +107,7 @@ class RolloutRunCommand(RunCommand):
             config.dist, model_config, section, rows=rows, seq_len=seq_len, grad_accum=train.grad_accum))
         quiet = quiet or (parallel is not None and not parallel.is_main)
         tokenizer = load_chat_tokenizer(policy_dir, vocab_size=model_config.vocab_size)
-        prepare_process(train, model_config, rows * seq_len, stream)
+        prepare_process(train, model_config, rows * seq_len, stream, config.dist)
         model = load_pretrained(policy_dir, config=model_config, dtype=torch.float32)
         staleness = section.staleness if section.async_rollouts else 0
         backend = section.rollout_backend if section.async_rollouts else "inline"

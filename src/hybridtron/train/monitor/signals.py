@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from hybridtron.dist.step import global_grad_norms
+from hybridtron.numerics.linear import QuantizedGroupedMM, QuantLinear
 from hybridtron.train.stats import StepStats, parameter_group
 
 
@@ -93,7 +95,6 @@ def quantized_modules(model: torch.nn.Module) -> dict[str, object]:
     """Every emulated 4- or 8-bit GEMM of the model (the precision policy's NVFP4 and MXFP8 modules; its BF16
     ones flush next to nothing): name -> QuantLinear or the RoutedExperts' quantized grouped matmul (named
     `<experts>.grouped_mm`)."""
-    from hybridtron.numerics.linear import QuantizedGroupedMM, QuantLinear
 
     found = {}
     for name, module in model.named_modules():
@@ -173,7 +174,6 @@ class UpdateRatio(Signal):
 
     @staticmethod
     def _distributed(parallel, before) -> dict[str, float]:
-        from hybridtron.dist.step import global_grad_norms
 
         def head_or_rest(name):
             return "lm_head" if parameter_group(name) == "lm_head" else "rest"
