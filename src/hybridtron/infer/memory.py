@@ -23,9 +23,9 @@ import math
 from dataclasses import asdict, dataclass
 
 from hybridtron.config import ATTENTION, MAMBA, PRESETS, ModelConfig, preset
-from hybridtron.model.memory import (  # INT8_BLOCK for infer.state_quant, which reads it here
-    BYTES_PER_ELEMENT, CONV_DTYPES, INT8_BLOCK, KV_DTYPES, STATE_DTYPES, conv_state_bytes, count_layers,
-    kv_bytes_per_token, mamba_state_bytes, ssm_state_bytes,
+from hybridtron.model.memory import (
+    BYTES_PER_ELEMENT, CONV_DTYPES, KV_DTYPES, STATE_DTYPES, conv_state_bytes, count_layers, kv_bytes_per_token,
+    mamba_state_bytes, ssm_state_bytes,
 )
 
 CATCH_UP_WIDTH = 64  # positions a speculative engine's drafter may lag the backbone (`hybridtron.infer.speculative`)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridtron.infer.memory import INT8_BLOCK
+from hybridtron.model.memory import INT8_BLOCK
 
 INT8_MAX = 127
 FLOAT_FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}

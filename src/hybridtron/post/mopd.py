@@ -82,7 +82,8 @@ from hybridtron.post.teachers import (TEACHER_SCORE, TEACHER_TOPK_IDS, TEACHER_T
 from hybridtron.train.config import SectionedConfig, TrainConfig
 from hybridtron.train.monitor.config import MonitorConfig
 from hybridtron.train.objectives import ObjectiveOutput
-from hybridtron.train.run import Input, complete_steps, export_model, has_checkpoints, is_main_process
+from hybridtron.train.run import (Input, complete_steps, export_model, has_checkpoints, is_main_process,
+                                  restarted_by_torchrun, unfinished_run)
 
 # [train] defaults of MOPD, GRPO's (a small constant LR after a short warmup, 4 micro-batches a step)
 MOPD_TRAIN = dict(steps=100, lr=1e-4, warmup_steps=5, decay_fraction=0.0, grad_accum=4, checkpoint_every=20)
@@ -392,9 +393,10 @@ class MOPD(RolloutRunCommand):
     def train_in(self, config, out, *, resume, quiet, saved=None):
         """The warmup phase first (a run killed in it resumes there), then MOPD, which resumes only from its own
         checkpoints."""
+        resume = resume or (restarted_by_torchrun() and self.has_started(out))
         if config.mopd.warmup_steps > 0 and complete_steps(out) is None:
             if self.has_started(out) and not resume:
-                return super().train_in(config, out, resume=False, quiet=quiet)  # says the run is unfinished
+                raise unfinished_run(out, out / WARMUP_DIR / "checkpoints")
             out.mkdir(parents=True, exist_ok=True)
             if is_main_process():
                 config.save(out / "run_config.json")  # before the warmup: a run killed in it resumes from this file

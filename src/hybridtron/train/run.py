@@ -134,7 +134,8 @@ class RunCommand:
         return validation_loss_line(history)
 
     def has_started(self, out: Path) -> bool:
-        """`out` holds checkpoints of this run (a command with phases counts every phase's)."""
+        """`out` holds checkpoints of this run (a command with phases counts every phase's: what a pipeline stage or
+        a torchrun restart resumes)."""
         return has_checkpoints(out / "checkpoints")
 
     def same_input(self, flag: str, given, saved) -> bool:
@@ -244,16 +245,14 @@ class RunCommand:
         """Train `config` in the run directory `out` by the rules of the module docstring: the built run once it has
         trained, or None when the run in `out` was already complete (which it says). `saved`: the run's saved
         configuration when resuming."""
-        resume = resume or (restarted_by_torchrun() and self.has_started(out))
+        started = has_checkpoints(out / "checkpoints")
+        resume = resume or (restarted_by_torchrun() and started)
         complete = complete_steps(out)
-        if not resume and (self.has_started(out)):
+        if not resume and started:
             if complete is not None:
                 say_complete(out, self.name, complete)
                 return None
-            latest = max((p.name for d in (out / "checkpoints", out / "warmup" / "checkpoints") if d.is_dir()
-                          for p in d.glob("step_*")), default="none")
-            raise ValueError(f"{out}: holds an unfinished run (checkpoint {latest.split('.')[0]}); pass --resume to "
-                             f"continue it, or choose another --out for a new run")
+            raise unfinished_run(out)
         if resume and complete is not None and config.train.steps <= complete:
             say_complete(out, self.name, complete)
             return None
@@ -303,6 +302,15 @@ class RunCommand:
 def has_checkpoints(directory: Path) -> bool:
     """`directory` holds a checkpoint (complete or not: a crash mid-save still marks a run as started)."""
     return directory.is_dir() and any(p.is_dir() and p.name.startswith("step_") for p in directory.iterdir())
+
+
+def unfinished_run(out: Path, *directories: Path) -> ValueError:
+    """The error of a directory that holds an unfinished run (checkpoints in `out/checkpoints` or `directories`),
+    named by its latest checkpoint."""
+    latest = max((p.name.split(".")[0] for d in (out / "checkpoints", *directories) if d.is_dir()
+                  for p in d.glob("step_*")), default="none")
+    return ValueError(f"{out}: holds an unfinished run (checkpoint {latest}); pass --resume to continue it, or "
+                      f"choose another --out for a new run")
 
 
 def complete_steps(out: Path) -> int | None:
