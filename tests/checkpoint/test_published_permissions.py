@@ -54,9 +54,13 @@ def test_boosted_checkpoint_is_readable_by_others(small_config, tmp_path, umask,
     model_dir, out = tmp_path / "ckpt", tmp_path / "boosted"
     save_pretrained(HybridLM(small_config(vocab_size=640)), model_dir)
     Tokenizer.train(["def f(x):\n    return x + 1\n" * 50], 600).save(model_dir)
-    assert main(["mtp-boost", "--model", str(model_dir), "--out", str(out), "--steps", "1", "--num-samples", "2",
-                 "--sample-length", "4", "--batch-size", "2", "--depths", "2", "--draft-length", "2"]) == 0
-    assert (out / "mtp_boost.json").is_file() and (out / "tokenizer.json").is_file()
+    settings = ["boost.num_samples=2", "boost.sample_length=4", "boost.batch_size=2", "boost.depths=2",
+                "boost.draft_length=2"]
+    assert main(["mtp-boost", "--model", str(model_dir), "--out", str(out), "--steps", "1", "--quiet",
+                 *[arg for setting in settings for arg in ("--set", setting)]]) == 0
+    # --out is a run directory: the boosted model is its HF export, hf/, with the tokenizer files; all of it
+    # (checkpoints, metrics, the export) is readable by others
+    assert (out / "mtp_boost.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
     assert_published(out, umask)
 
 

@@ -1,4 +1,5 @@
-"""`evaluate_env`: completions from the chat template's generation prompt, graded by the environment."""
+"""`evaluate_env`: completions from the chat template's generation prompt, graded by the environment; pass@k of
+sampled completions."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hybridtron.infer.engine import generate_tokens
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.model.lm import HybridLM
 from hybridtron.envs import Environment, Task
-from hybridtron.eval.tasks import evaluate_env
+from hybridtron.eval.tasks import evaluate_env, pass_at_k
 
 
 class Recorder(Environment):
@@ -77,3 +78,35 @@ def test_a_sampled_completion_depends_on_its_task_and_seed_not_on_the_batch_it_f
                                   temperature=1.0, seed=3)
     assert one_batch.completions == batches_of_two.completions
     assert len(set(one_batch.completions)) > 1  # an untrained model at T = 1: six tries, not one repeated
+
+
+class Scripted(Recorder):
+    """Grades the i-th completion it is given by `script[i]`, whatever it says: a known number of right samples per
+    task."""
+
+    def __init__(self, script: list[float]):
+        super().__init__()
+        self.script, self.tasks = script, []
+
+    def rewards(self, tasks, completions):
+        self.tasks, self.graded = list(tasks), list(completions)
+        return list(self.script)
+
+
+def test_pass_at_k_of_sampled_completions_is_the_unbiased_estimate(tokenizer, small_config):
+    """n = 4 samples of two tasks, c = 1 and c = 3 of them right. By hand (Chen et al. 2021, 1 - C(n-c, k) / C(n, k)):
+    task 0: pass@1 1/4, pass@2 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5, pass@4 1; task 1: pass@1 3/4, pass@2 1 (n - c = 1 < 2:
+    every pair holds a right one), pass@4 1. The figures are the means over the tasks."""
+    model = HybridLM(small_config(vocab_size=512, max_position_embeddings=128)).eval()
+    env = Scripted([0, 1, 0, 0] + [1, 1, 0, 1])
+    result = evaluate_env(model, tokenizer, env, TASKS[:2], samples=4, max_tokens=6, batch_size=3, temperature=1.0)
+    assert env.tasks == [TASKS[0]] * 4 + [TASKS[1]] * 4, "each task's samples graded together, in task order"
+    assert len(set(env.graded[:4])) > 1, "four samples of a task at T = 1, not one repeated"
+    assert result.samples == 4 and result.tasks == 2
+    assert result.pass_at_k == pytest.approx({1: (1 / 4 + 3 / 4) / 2, 2: (0.5 + 1.0) / 2, 4: 1.0})
+    assert result.pass_at_1 == result.pass_at_k[1] and result.mean_reward == pytest.approx(4 / 8)
+    # TASKS[0] is level 2, TASKS[1] level 1: pass@1 (c / n) per level
+    assert result.by_difficulty == pytest.approx({1: 3 / 4, 2: 1 / 4})
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5) and pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)
+    with pytest.raises(ValueError, match="a temperature > 0"):  # greedy samples would all be the same
+        evaluate_env(model, tokenizer, env, TASKS[:2], samples=4)

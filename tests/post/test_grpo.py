@@ -1,4 +1,4 @@
-"""GRPO (hybridtron.post.grpo, hybridtron.post.rollout): the learner's log-probs against the engine's, routing
+"""GRPO (hybridtron.post.grpo on the RL core, hybridtron.post.rl): the learner's log-probs against the engine's, routing
 replay, the objective's aggregation, dynamic sampling and the curriculum, sync against async, the command end to end
 with resume, and clear errors. (The loss functions themselves: tests/post/test_losses.py.)"""
 
@@ -23,12 +23,12 @@ from hybridtron.infer.engine import HybridEngine
 from hybridtron.infer.sampling import SamplingParams, probs_from_logits
 from hybridtron.model.lm import HybridLM
 from hybridtron.envs import Environment, Task
-from hybridtron.post.grpo import (GRPO_TRAIN, GRPOConfig, GRPOObjective, GRPORunConfig, build_trainer,
-                                  sampled_logprobs)
+from hybridtron.post.grpo import COMMAND, GRPO_TRAIN, GRPOConfig, GRPOObjective, GRPORunConfig
 from hybridtron.post.losses import group_advantages
 from hybridtron.post.reference import REFERENCE_SCORE, ReferenceScoringRole, score_reference
-from hybridtron.post.rollout import (PassRateCurriculum, Rollout, RolloutBatch, RolloutRequest, RolloutRole,
-                                     pack_micro_batches)
+from hybridtron.post.rl.batches import pack_micro_batches, uniform_micro_batches
+from hybridtron.post.rl.objective import sampled_logprobs
+from hybridtron.post.rl.rollout import PassRateCurriculum, Rollout, RolloutBatch, RolloutRequest, RolloutRole
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.loop import Trainer
 from hybridtron.train.objectives import BatchSource
@@ -259,8 +259,6 @@ def test_the_reference_role_scores_what_the_learner_would_compute(small_config, 
     """The reference-scoring role's log-probs, laid out in a micro-batch, are the reference's forward on that
     micro-batch (routes replayed, the rollout's temperature and filters) at every completion token, to float noise
     (each forward batches other rows)."""
-    from hybridtron.post.grpo import sampled_logprobs
-
     config = small_config(vocab_size=64)
     reference = HybridLM(config).eval()
     save_pretrained(reference, tmp_path / "initial")
@@ -294,8 +292,6 @@ def test_uniform_micro_batches_pad_to_one_shape_and_change_no_loss(small_config)
     """Under PP a step's micro-batches are padded to one shape and to grad_accum of them (the pipeline's stages
     exchange fixed shapes): the padding is no completion and not valid, so the step's loss, metrics and gradient
     are those of the ragged micro-batches."""
-    from hybridtron.post.rollout import uniform_micro_batches
-
     config = small_config(vocab_size=64)
     model = HybridLM(config)
     ragged = pack_micro_batches(_random_batch(config, [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]], seed=4), 3)
@@ -357,12 +353,16 @@ def test_grad_accum_does_not_change_the_gradient_through_the_trainer(small_confi
         trainer = Trainer(model, objective, FixedBatches(batch, micro_batches), TrainConfig(grad_accum=micro_batches),
                           None)
         stats = trainer.forward_backward()
-        results.append(({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, stats.losses))
+        # the MTP depths' losses are the step's typed `mtp_losses`, logged as mtp_loss_<d>
+        logged = {**stats.losses, **{f"mtp_loss_{d}": v for d, v in enumerate(stats.mtp_losses, start=1)}}
+        results.append(({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, logged))
     (grads, losses), others = results[0], results[1:]
+    assert "mtp_loss_1" in losses and "mtp_loss_2" in losses
     for other_grads, other_losses in others:
         for name in grads:
             assert torch.allclose(other_grads[name], grads[name], atol=1e-6, rtol=1e-4), name
-        for key in ("loss", "policy_loss", "mtp_loss_1", "kl", "entropy", "is_mismatch", "policy_tokens"):
+        for key in ("loss", "policy_loss", "mtp_loss_1", "mtp_loss_2", "kl", "entropy", "is_mismatch",
+                    "policy_tokens"):
             assert math.isclose(other_losses[key], losses[key], rel_tol=1e-4, abs_tol=1e-6), key
     assert losses["policy_tokens"] == sum(len(r.completion_ids) for r in batch.rollouts[:8])
 
@@ -445,11 +445,12 @@ def _train(policy_dir, tmp_path, name, steps=2, **grpo_overrides):
                            grpo=tiny_grpo(levels=(1,), **grpo_overrides),
                            train=TrainConfig(**{**GRPO_TRAIN, "steps": steps, "grad_accum": 2, "lr": 1e-3}),
                            monitor=MonitorConfig(enabled=False))
-    trainer, parts = build_trainer(config, tmp_path / name, None, quiet=True)
+    built = COMMAND.build(config, tmp_path / name, None, quiet=True)  # the trainer and its rollout pipeline
+    trainer = built.trainer
     try:
         trainer.train()
     finally:
-        parts.close()
+        built.close()
     lines = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
     return {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}, lines
 
@@ -567,7 +568,7 @@ def test_grpo_smoke_on_the_math_environment(policy_dir, tmp_path):
     ("grpo.rollout_backend=threads", "grpo.rollout_backend must be one of"),
     ("grpo.groups=4", "unknown grpo fields"),
     ("grpo.group_size=four", "grpo.group_size: expected int"),
-    ("model.hidden_size=64", "cannot be set"),
+    ("model.hidden_size=64", "[model] cannot be set here: the model is fixed by base_model ("),
 ])
 def test_malformed_config_values_are_clear_errors(policy_dir, tmp_path, capsys, override, message):
     assert _grpo(policy_dir, tmp_path / "run", "--set", override) == 2

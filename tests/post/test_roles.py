@@ -1,4 +1,4 @@
-"""The role machinery of asynchronous RL (hybridtron.post.roles): order, weights and state travel with the items, the
+"""The role machinery of asynchronous RL (hybridtron.post.rl.roles): order, weights and state travel with the items, the
 backends agree, failures surface with the role's name."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from hybridtron.post.roles import Role, RoleError, RolePipeline, RoleSpec, check_replicas
+from hybridtron.post.rl.roles import Role, RoleError, RolePipeline, RoleSpec, check_replicas
 
 
 class Stamp(Role):

@@ -227,7 +227,17 @@ def test_sft_end_to_end_and_resume_bit_for_bit(tmp_path, base_model, capsys):
 
     capsys.readouterr()
     assert sft(base_model, tmp_path / "whole", 6) == 0
-    assert "this run is complete" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "this run is complete (6 steps)" in out
+    assert f"To train it further: hybridtron sft --out {tmp_path / 'whole'} --resume --steps N" in out
+    # asked for more steps with --resume, the finished run continues from its last checkpoint (no --model needed:
+    # the run's own is in run_config.json), and the change is recorded at the step it takes effect
+    assert cli_main(["sft", "--out", str(tmp_path / "whole"), "--resume", "--steps", "8", "--quiet"]) == 0
+    extended = step_records(tmp_path / "whole")
+    assert sorted(extended) == list(range(1, 9))
+    assert all(extended[step] == whole[step] for step in range(1, 7)), "the first 6 steps are kept as they were"
+    events = [json.loads(line) for line in (tmp_path / "whole" / "events.jsonl").read_text().splitlines()]
+    assert any(e["action"] == "config_changed" and e["key"] == "train.steps" for e in events)
 
 
 def test_jsonl_data_and_the_thinking_switch(tmp_path, base_model, math_conversations):
@@ -291,7 +301,7 @@ def _other_template(tmp_path: Path, base_model: Path) -> Path:
     ("no tokenizer", "tokenizer.json does not exist"),
     ("no chat tokens", "the model was not trained with hybridtron's chat format"),
     ("other template", "a chat template other than hybridtron's"),
-    ("set model", "model.hidden_size cannot be set: the model is fixed by --model"),
+    ("set model", "[model] cannot be set here: the model is fixed by base_model ("),
     ("no model", "--model is required"),
 ])
 def test_clear_errors(tmp_path, base_model, capsys, case, message):

@@ -19,7 +19,7 @@ from hybridtron.model.lm import HybridLM
 from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
 from hybridtron.train import hooks as H
 from hybridtron.train.config import RunConfig, TrainConfig, build_run_config
-from hybridtron.train.evaluate import ValidationLoss
+from hybridtron.train.evaluate import HeldOutLoss
 from hybridtron.train.loop import Trainer
 from hybridtron.train.monitor import (
     DivergenceError, LossSpike, MaxVio, MonitorConfig, MtpLeads, NoMonitor, NonFinite, ResidualSpread,
@@ -69,7 +69,8 @@ def make_trainer(tmp_path, small_config, *, steps=40, checkpoint_every=10, monit
         batches = faults.wrap_batches(batches, model_config.vocab_size)
         hooks = (*hooks, faults)
     return Trainer(model, PretrainObjective(), batches, config, CheckpointManager(tmp_path / "checkpoints", keep=10),
-                   hooks=[H.MetricsLogger(tmp_path), *hooks], evaluators=[ValidationLoss(val, config.val_every)],
+                   hooks=[H.MetricsLogger(tmp_path), *hooks],
+                   evaluators=[HeldOutLoss(val, config.val_every, per_batch_mean=True)],  # pretraining's definition
                    monitor=monitor)
 
 

@@ -208,8 +208,8 @@ def test_the_hf_export_is_whole_before_any_rank_returns(tmp_path, monkeypatch, s
     from types import SimpleNamespace
 
     from hybridtron.data.tokenizer import Tokenizer
-    from hybridtron.dist import step
     from hybridtron.model.lm import HybridLM
+    from hybridtron.train import run
     from hybridtron.train.run import export_model
 
     hf_dir = tmp_path / "hf"
@@ -221,7 +221,8 @@ def test_the_hf_export_is_whole_before_any_rank_returns(tmp_path, monkeypatch, s
         def barrier(self):
             at_barrier.append(sorted(path.name for path in hf_dir.iterdir()))
 
-    monkeypatch.setattr(step, "full_state_dict", lambda model, parallel: model.state_dict())  # the gathered shards
+    # the gathered shards (patched where the scaffold looks the gather up)
+    monkeypatch.setattr(run, "full_state_dict", lambda model, parallel: model.state_dict())
     trainer = SimpleNamespace(model=HybridLM(small_config(vocab_size=640)), parallel=MainRank())
     tokenizer = Tokenizer.train(["What is 2 + 3? The answer is 5.\n" * 50], 600)
     assert export_model(trainer, hf_dir, tokenizer, model_max_length=256)

@@ -44,6 +44,7 @@ def test_running_a_finished_run_again_says_it_is_complete(finished_run, cache, c
     assert main(["pretrain", "--out", str(finished_run), *FAST]) == 0
     out = capsys.readouterr().out
     assert f"{finished_run}: this run is complete (2 steps); nothing to do." in out
+    assert f"To train it further: hybridtron pretrain --out {finished_run} --resume --steps N (N > 2)" in out
     assert f"HF export:   {finished_run / 'hf'}" in out and "metrics:" in out and "checkpoints:" in out
     assert snapshot(finished_run) == before, "nothing in the run directory changed"
 

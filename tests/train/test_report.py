@@ -140,14 +140,14 @@ def test_every_plot_is_a_real_picture(tmp_path):
 def drawn_figures(monkeypatch):
     """Every figure the report draws, by plot title, after the report laid it out and saved it."""
     figures = []
-    real_png = report._png
+    real_png = report.figure_png
 
     def keep(plt, figure):
         png = real_png(plt, figure)
         figures.append(figure)
         return png
 
-    monkeypatch.setattr(report, "_png", keep)
+    monkeypatch.setattr(report, "figure_png", keep)
     titles = [title for title, _, _ in report.PLOTS]
     return lambda: dict(zip(titles, figures))
 
