@@ -65,7 +65,8 @@ def test_conversation_loss_scores_only_the_assistant_turns(checkpoint):
                                     {"role": "assistant", "content": "\\boxed{2}"}]}]}
     [(ids, labels)] = conversation_batches(tokenizer, chats["math"], 256)
     assert ids.shape == labels.shape and (labels != IGNORE_INDEX).sum() < labels.numel()
-    logits = model(ids, mtp=False).logits[0]
+    with torch.no_grad():
+        logits = model(ids, mtp=False).logits[0]
     scored = labels[0] != IGNORE_INDEX
     expected = torch.nn.functional.cross_entropy(logits[scored], labels[0][scored])
     losses = held_out_loss(model, tokenizer, chats)
