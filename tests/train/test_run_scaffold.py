@@ -168,3 +168,17 @@ def test_a_signal_checkpoints_the_finished_step_and_says_how_to_resume(tmp_path,
                              env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {out / 'checkpoints' / f'step_{step:06d}'} (step {step})" in resumed.stderr
+
+
+def test_resume_below_the_checkpoints_step_is_refused_before_anything_changes(run_dir, capsys):
+    shutil.rmtree(run_dir / "hf")  # unfinished: its last checkpoint is step 3
+    saved = (run_dir / RUN_CONFIG).read_bytes()
+    assert main(["pretrain", "--out", str(run_dir), "--resume", "--steps", "2", "--quiet"]) == 2
+    assert "the run's checkpoint is at step 3, past train.steps=2; give --steps N with N >= 3" in \
+        capsys.readouterr().err
+    assert (run_dir / RUN_CONFIG).read_bytes() == saved
+
+
+def test_resuming_another_commands_run_says_so(run_dir, capsys):
+    assert main(["sft", "--out", str(run_dir), "--resume"]) == 2
+    assert "not a run config of this command" in capsys.readouterr().err

@@ -193,7 +193,8 @@ class SectionedConfig:
             else:
                 values[f.name] = raw[f.name]
         if missing:
-            raise ValueError(f"{path}: not the run config of a {cls.__name__} (no {', '.join(missing)})")
+            raise ValueError(f"{path}: not a run config of this command (it has no {', '.join(missing)}): the run was "
+                             f"made by another command")
         return cls(**values)
 
 

@@ -261,6 +261,9 @@ class RunCommand:
             latest = checkpoints.latest() if resume else None
             if resume and latest is None:
                 raise FileNotFoundError(f"{out / 'checkpoints'}: no complete checkpoint to resume from")
+            if latest is not None and step_of(latest) > config.train.steps:
+                raise ValueError(f"--resume: the run's checkpoint is at step {step_of(latest)}, past train.steps="
+                                 f"{config.train.steps}; give --steps N with N >= {step_of(latest)}")
             if is_main_process():
                 config.save(out / RUN_CONFIG)
             built = self.build(config, out, checkpoints, quiet=quiet)
