@@ -274,7 +274,7 @@ class RunCommand:
                 with stop_on_signals(trainer):
                     trainer.train()
             except RunInterrupted as stopped:
-                stopped.resume_command = f"hybridtron {self.name} --out {out} --resume"
+                stopped.resume_command = f"{launcher()}hybridtron {self.name} --out {out} --resume"
                 raise
             finally:
                 built.close()
@@ -418,6 +418,13 @@ def refuse_torchrun(command: str) -> None:
     if world > 1:
         raise ValueError(f"hybridtron {command} runs as one process (it does not shard over processes), but torchrun "
                          f"started {world}; run it without torchrun")
+
+
+def launcher() -> str:
+    """How this process was started, as a command line's prefix: `torchrun --nproc-per-node N -m ` for one machine's
+    torchrun world (a checkpoint also resumes at any other world size), else nothing."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return f"torchrun --nproc-per-node {local} -m " if world > 1 and world == local else ""
 
 
 def restarted_by_torchrun() -> bool:
