@@ -19,8 +19,8 @@ torch.set_num_threads(1)
 # its own, so module fixtures are built once). The one-thread tests use the core a multi-process test does not.
 MULTI_PROCESS_MODULES = {
     "tests/dist/test_dist_checkpoints.py", "tests/dist/test_dist_rl.py", "tests/dist/test_dist_sft.py",
-    "tests/dist/test_parallel_layouts.py", "tests/dist/test_ring_attention.py", "tests/post/test_grpo.py",
-    "tests/post/test_mopd.py", "tests/post/test_roles.py",
+    "tests/dist/test_parallel_layouts.py", "tests/dist/test_ring_attention.py", "tests/dist/test_document_mask_cp.py",
+    "tests/post/test_grpo.py", "tests/post/test_mopd.py", "tests/post/test_roles.py",
 }
 
 

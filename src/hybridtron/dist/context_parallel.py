@@ -20,6 +20,12 @@ modules' classes for the forms below (their parameters and names stay):
   contributes: y_t += exp(sum of a up to t) C_t . S_in, with S_in the earlier chunks' states carried through their
   decays. The causal conv reads the previous chunk's last K-1 inputs (also all-gathered). This is the
   sequence-parallel scan of Mamba-2's paper (section 8), with the states passed by one all-gather.
+- Packed documents (`seq_idx`, `model.documents`): each rank's chunk rows carry their own seq_idx, and the
+  exchanges respect it. Attention runs per document over the gathered keys (a document that started in an earlier
+  chunk reads its keys from there; `chunk_document_attention`); the conv reads the previous chunk's inputs only
+  where they are in the same document; the incoming state reaches a chunk only from earlier chunks whose last
+  document is still the one open at the chunk's start (a document that crosses a share boundary gets its state;
+  one that starts inside a share does not). Ring attention refuses them (use the all-gather form).
 - MTP reads the embedding of token t+k: the data loader hands each chunk the ids that follow it (`shard_sequence`;
   `PAST_END` past the sequence's end, which the model embeds as zeros, as it pads the end of an unsharded
   sequence), and the model embeds them itself (`HybridLM.forward(following_ids=...)`).
@@ -42,7 +48,8 @@ from torch import nn
 
 from hybridtron.dist.collectives import gather_shares
 from hybridtron.dist.ring_attention import own_chunks, ring_attention
-from hybridtron.model.attention import Attention
+from hybridtron.model.attention import Attention, causal_suffix_attention
+from hybridtron.model.documents import document_spans
 from hybridtron.model.lm import PAST_END
 from hybridtron.model.mamba2 import Mamba2Mixer
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
@@ -87,14 +94,22 @@ class _ContextParallel:
 
 
 class ContextParallelAttention(_ContextParallel, Attention):
-    def forward(self, hidden_BTD: torch.Tensor, kv=None, lengths=None) -> torch.Tensor:
+    def forward(self, hidden_BTD: torch.Tensor, kv=None, lengths=None, seq_idx=None) -> torch.Tensor:
         self._check_training_forward(kv)
         q, k, v = self.project(hidden_BTD)  # [2B, heads, T, head_dim]: (head, tail) chunk rows
         if self.cp_attention == "ring":
+            if seq_idx is not None:
+                raise ValueError("context parallelism: dist.cp_attention = 'ring' does not mask packed documents "
+                                 "(seq_idx); use dist.cp_attention = 'all-gather' or turn the document mask off")
             out = ring_attention(q, k, v, self.cp_group)
         else:  # the whole sequence's keys and values [B, heads, L, head_dim]
             keys, values = (sequence_chunks(t, self.cp_group).movedim(0, 2).flatten(2, 3) for t in (k, v))
-            out = chunk_attention(q, keys, values, own_chunks(self.cp_rank, self.cp_size))
+            chunks = own_chunks(self.cp_rank, self.cp_size)
+            if seq_idx is None:
+                out = chunk_attention(q, keys, values, chunks)
+            else:
+                documents_BL = sequence_chunks(seq_idx, self.cp_group).movedim(0, 1).flatten(1, 2)
+                out = chunk_document_attention(q, keys, values, chunks, documents_BL)
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
@@ -115,33 +130,68 @@ def chunk_attention(q_RHTD: torch.Tensor, keys_BHLD: torch.Tensor, values_BHLD: 
     return torch.stack(outputs, 1).flatten(0, 1)  # back to the rows' order
 
 
+# Eager also in a compiled block, as `attention.document_attention`: the documents' spans are read back to the host.
+@torch.compiler.disable
+def chunk_document_attention(q_RHTD: torch.Tensor, keys_BHLD: torch.Tensor, values_BHLD: torch.Tensor,
+                             chunks: tuple[int, ...], documents_BL: torch.Tensor) -> torch.Tensor:
+    """`chunk_attention` within packed documents (`documents_BL`: the whole sequences' seq_idx): each document of
+    a chunk attends to its own keys from where it starts, which may be an earlier chunk."""
+    length, per_sequence = q_RHTD.shape[2], len(chunks)
+    outputs = []
+    for row in range(q_RHTD.shape[0]):
+        sequence, chunk = divmod(row, per_sequence)
+        offset = chunks[chunk] * length
+        own_documents = documents_BL[sequence:sequence + 1, offset:offset + length]
+        pieces = []
+        for _, start, end in document_spans(own_documents):
+            # the document's first position in the sequence: seq_idx is non-decreasing along it
+            first = int((documents_BL[sequence] < own_documents[0, start]).sum())
+            pieces.append(causal_suffix_attention(q_RHTD[row:row + 1, :, start:end],
+                                                  keys_BHLD[sequence:sequence + 1, :, first:offset + end],
+                                                  values_BHLD[sequence:sequence + 1, :, first:offset + end]))
+        outputs.append(torch.cat(pieces, dim=2))
+    return torch.cat(outputs)
+
+
 class ContextParallelMamba2Mixer(_ContextParallel, Mamba2Mixer):
-    def forward(self, hidden_BTD: torch.Tensor, state=None) -> torch.Tensor:
+    def forward(self, hidden_BTD: torch.Tensor, state=None, seq_idx=None) -> torch.Tensor:
         self._check_training_forward(state)
         z, xBC, dt_raw = self.split_projection(self.in_proj(hidden_BTD))
-        conv_input_BCT = torch.cat([self._previous_conv_inputs(xBC).transpose(1, 2), xBC.transpose(1, 2)], dim=-1)
-        conv_BCT = F.conv1d(conv_input_BCT, self.conv1d.weight, self.conv1d.bias, groups=self.conv_channels)
-        x, B, C = self.split_xbc(F.silu(conv_BCT).transpose(1, 2))
+        previous_inputs, previous_documents = self._previous_conv_inputs(xBC, seq_idx)
+        conv_input_BCT = torch.cat([previous_inputs.transpose(1, 2), xBC.transpose(1, 2)], dim=-1)
+        conv_documents = None if seq_idx is None else torch.cat([previous_documents, seq_idx], dim=1)
+        x, B, C = self.split_xbc(F.silu(self.conv(conv_input_BCT, conv_documents)).transpose(1, 2))
         dt, A = self.discretize(dt_raw)
         x_dt, a = x.float() * dt[..., None], dt * A
-        y, final = ssd_chunked(x_dt, a, B.float(), C.float(), self.chunk_size)
-        y = y + self._incoming_state_output(final, a, C.float())
+        y, final = ssd_chunked(x_dt, a, B.float(), C.float(), self.chunk_size, seq_idx_BT=seq_idx)
+        y = y + self._incoming_state_output(final, a, C.float(), seq_idx)
         return self.finish(y, x, z)
 
-    def _previous_conv_inputs(self, xBC_BTC: torch.Tensor) -> torch.Tensor:
-        """The last K-1 conv inputs of the chunk before each row's [2B, K-1, C] (zeros for the first chunk)."""
+    def _previous_conv_inputs(self, xBC_BTC: torch.Tensor, seq_idx_BT: torch.Tensor | None
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last K-1 conv inputs of the chunk before each row's [2B, K-1, C] (zeros for the first chunk), and
+        with packed documents their seq_idx [2B, K-1] (the first chunk's: its own first document)."""
         taps = self.conv1d.kernel_size[0] - 1
         if xBC_BTC.shape[1] < taps:
             raise ValueError(f"context parallelism: a chunk of {xBC_BTC.shape[1]} positions is shorter than the conv's "
                              f"{taps} previous inputs; use a longer data.seq_len or a smaller dist.cp")
         tails = sequence_chunks(xBC_BTC[:, -taps:], self.cp_group)  # [2 cp, B, K-1, C]
         previous = torch.cat([torch.zeros_like(tails[:1]), tails[:-1]])
-        return own_rows(previous, self.cp_rank, self.cp_size)
+        if seq_idx_BT is None:
+            return own_rows(previous, self.cp_rank, self.cp_size), None
+        document_tails = sequence_chunks(seq_idx_BT[:, -taps:], self.cp_group)  # [2 cp, B, K-1]
+        first = sequence_chunks(seq_idx_BT[:, :1], self.cp_group)[:1].expand(-1, -1, taps)
+        previous_documents = torch.cat([first, document_tails[:-1]])
+        return (own_rows(previous, self.cp_rank, self.cp_size),
+                own_rows(previous_documents, self.cp_rank, self.cp_size))
 
-    def _incoming_state_output(self, final_BHPN: torch.Tensor, a_BTH: torch.Tensor, C_BTGN: torch.Tensor
-                               ) -> torch.Tensor:
+    def _incoming_state_output(self, final_BHPN: torch.Tensor, a_BTH: torch.Tensor, C_BTGN: torch.Tensor,
+                               seq_idx_BT: torch.Tensor | None = None) -> torch.Tensor:
         """exp(cumsum a)_t * C_t . S_in [2B, T, H, P]: the output of the state entering each row's chunk c,
-        S_in = sum over earlier chunks j of exp(the decays of chunks j+1 .. c-1) * final_j."""
+        S_in = sum over earlier chunks j of exp(the decays of chunks j+1 .. c-1) * final_j. With packed documents
+        final_j (the state of chunk j's last document) is carried only if that document is still open at chunk c's
+        start (seq_idx non-decreasing: no document starts in between), and reaches only that document's
+        positions."""
         finals_JBHPN = sequence_chunks(final_BHPN, self.cp_group)
         decays_JBH = sequence_chunks(a_BTH.sum(1), self.cp_group)  # each chunk's total log-decay
         chunks_J = torch.arange(decays_JBH.shape[0], device=a_BTH.device)
@@ -151,14 +201,21 @@ class ContextParallelMamba2Mixer(_ContextParallel, Mamba2Mixer):
         after_j_JI = chunks_J[:, None] < chunks_J[None, :]
         between_SJI = after_j_JI[None] & (chunks_J[None, None, :] < own_S[:, None, None])
         log_carry_SJBH = torch.einsum("sji,ibh->sjbh", between_SJI.to(decays_JBH.dtype), decays_JBH)
-        earlier_SJ11 = (chunks_J[None, :] < own_S[:, None])[..., None, None]
-        carry_SJBH = torch.exp(torch.where(earlier_SJ11, log_carry_SJBH, float("-inf")))
+        earlier_SJB1 = (chunks_J[None, :] < own_S[:, None])[..., None, None]
+        if seq_idx_BT is not None:
+            lasts_JB = sequence_chunks(seq_idx_BT[:, -1], self.cp_group)
+            firsts_SB = seq_idx_BT[:, 0].unflatten(0, (-1, len(own_S))).T  # rows are (sequence, own chunk) pairs
+            earlier_SJB1 = earlier_SJB1 & (lasts_JB[None] == firsts_SB[:, None])[..., None]
+        carry_SJBH = torch.exp(torch.where(earlier_SJB1, log_carry_SJBH, float("-inf")))
         incoming_SBHPN = torch.einsum("sjbh,jbhpn->sbhpn", carry_SJBH, finals_JBHPN)
         incoming_BHPN = incoming_SBHPN.transpose(0, 1).flatten(0, 1)  # the rows' order
         heads, groups = a_BTH.shape[2], C_BTGN.shape[2]
         incoming_BGJPN = incoming_BHPN.unflatten(1, (groups, heads // groups))
         out_BTGJP = torch.einsum("btgn,bgjpn->btgjp", C_BTGN, incoming_BGJPN)
-        return out_BTGJP.flatten(2, 3) * torch.exp(a_BTH.cumsum(1))[..., None]
+        entering_decay_BTH = torch.exp(a_BTH.cumsum(1))
+        if seq_idx_BT is not None:  # the positions of the document open at the chunk's start
+            entering_decay_BTH = entering_decay_BTH * (seq_idx_BT == seq_idx_BT[:, :1])[..., None]
+        return out_BTGJP.flatten(2, 3) * entering_decay_BTH[..., None]
 
 
 CONTEXT_PARALLEL_FORMS = {Attention: ContextParallelAttention, Mamba2Mixer: ContextParallelMamba2Mixer}

@@ -162,15 +162,16 @@ def experts_forward(experts: RoutedExperts, x_SL: torch.Tensor, expert_ids_SK: t
 
 # ---------------------------------------------------------------------------------------------- the switch
 def fast_mixer(kind: str, mixer: nn.Module, normed_BTD: torch.Tensor, layer_cache=None, lengths=None,
-               expert_ids=None, *, recording: HybridCache | None = None) -> torch.Tensor:
-    """`model.block.run_mixer` with the fast paths; `recording`: the cache whose Mamba layers record every state."""
+               expert_ids=None, seq_idx=None, *, recording: HybridCache | None = None) -> torch.Tensor:
+    """`model.block.run_mixer` with the fast paths; `recording`: the cache whose Mamba layers record every state.
+    Packed documents (`seq_idx`) only run without a cache, through `run_mixer`."""
     if kind == MAMBA and layer_cache is not None:
         return mamba_forward(mixer, normed_BTD, layer_cache, recording)
     if kind == ATTENTION and layer_cache is not None:
         return attention_forward(mixer, normed_BTD, layer_cache, lengths)
     if kind == MOE:
         return mixer(normed_BTD, experts_fn=partial(experts_forward, mixer.experts), expert_ids=expert_ids)
-    return run_mixer(kind, mixer, normed_BTD, layer_cache, lengths, expert_ids)
+    return run_mixer(kind, mixer, normed_BTD, layer_cache, lengths, expert_ids, seq_idx)
 
 
 def forward(model, ids_BT: torch.Tensor, cache: HybridCache, *, fast: bool = True, record: bool = False):

@@ -79,9 +79,10 @@ def mamba_tokens(mixer: Mamba2Mixer, hidden_BTD: torch.Tensor, state: MambaState
     return mixer.finish(torch.stack(outputs, 1), x, z)
 
 
-def static_mixer(kind: str, mixer, normed_BTD: torch.Tensor, layer_cache=None, lengths=None, expert_ids=None, *,
-                 recorded: list | None = None) -> torch.Tensor:
-    """A `mixer_fn` with static shapes for T tokens per row (see the module docstring); no routing replay."""
+def static_mixer(kind: str, mixer, normed_BTD: torch.Tensor, layer_cache=None, lengths=None, expert_ids=None,
+                 seq_idx=None, *, recorded: list | None = None) -> torch.Tensor:
+    """A `mixer_fn` with static shapes for T tokens per row (see the module docstring); no routing replay, and a
+    decoding cache holds one document per row (`seq_idx` is always None here)."""
     if kind == ATTENTION:
         return attention_tokens(mixer, normed_BTD, layer_cache, lengths)
     if kind == MAMBA:

@@ -2,7 +2,8 @@
 
 With a `KVCache`, the new tokens' keys and values are written at each sequence's current length and the
 queries attend to everything cached so far (sequences of the batch may have different lengths). `decode_step` is
-the one-token form for a compiled decode step: every shape is fixed by the preallocated cache.
+the one-token form for a compiled decode step: every shape is fixed by the preallocated cache. With `seq_idx`
+(packed rows, `model.documents`) each document attends only to itself (`document_attention`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridtron.config import ModelConfig
+from hybridtron.model.documents import document_spans, same_document
 from hybridtron.model.state import KVCache
 
 
@@ -34,9 +36,13 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, hidden_BTD: torch.Tensor, kv: KVCache | None = None,
-                lengths: torch.Tensor | None = None) -> torch.Tensor:
+                lengths: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.project(hidden_BTD)
-        if kv is None:
+        if seq_idx is not None:
+            if kv is not None:
+                raise ValueError("attention: seq_idx (packed documents) is for training forwards, not a KV cache")
+            out = document_attention(q, k, v, seq_idx)
+        elif kv is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             k, v, mask = write_and_read(kv, k, v, lengths)
@@ -74,13 +80,44 @@ def write_and_read(kv: KVCache, k_BHTD, v_BHTD, lengths: torch.Tensor):
     return kv.k_BHTD[:, :, :visible].to(k_BHTD.dtype), kv.v_BHTD[:, :, :visible].to(v_BHTD.dtype), mask
 
 
-def attention_ref(attn: Attention, hidden_BTD: torch.Tensor) -> torch.Tensor:
-    """Explicit softmax(QK^T / sqrt(hd) + causal mask) V with K and V repeated per query group."""
+def causal_suffix_attention(q_BHQD: torch.Tensor, k_BHKD: torch.Tensor, v_BHKD: torch.Tensor) -> torch.Tensor:
+    """Causal attention of queries that are the last Q of the K key positions (Q <= K): query i sees keys up to
+    K - Q + i. Q == K is plain causal attention; otherwise the [Q, K] mask is built (a context-parallel chunk's
+    queries over their document's keys, bounded by that document's length)."""
+    queries, keys = q_BHQD.shape[2], k_BHKD.shape[2]
+    if queries == keys:
+        return F.scaled_dot_product_attention(q_BHQD, k_BHKD, v_BHKD, is_causal=True, enable_gqa=True)
+    positions_Q = torch.arange(keys - queries, keys, device=q_BHQD.device)
+    visible_QK = torch.arange(keys, device=q_BHQD.device)[None, :] <= positions_Q[:, None]
+    return F.scaled_dot_product_attention(q_BHQD, k_BHKD, v_BHKD, attn_mask=visible_QK, enable_gqa=True)
+
+
+# Eager also in a compiled block (`train.compile`): the documents' spans are read back to the host and each gets
+# its own call, whose shapes would otherwise recompile the block for every new packing.
+@torch.compiler.disable
+def document_attention(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, v_BHTD: torch.Tensor,
+                       seq_idx_BT: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each document of packed rows (`model.documents`): one SDPA call per document, so
+    memory and work grow with the documents' lengths squared, never the row's (no [T, T] mask)."""
+    spans = document_spans(seq_idx_BT)
+    if len(spans) == q_BHTD.shape[0]:  # one document per row: the whole batch in one call
+        return causal_suffix_attention(q_BHTD, k_BHTD, v_BHTD)
+    rows: list[list[torch.Tensor]] = [[] for _ in range(q_BHTD.shape[0])]
+    for row, start, end in spans:
+        rows[row].append(causal_suffix_attention(*(t[row:row + 1, :, start:end] for t in (q_BHTD, k_BHTD, v_BHTD))))
+    return torch.cat([torch.cat(pieces, dim=2) for pieces in rows])
+
+
+def attention_ref(attn: Attention, hidden_BTD: torch.Tensor, seq_idx_BT: torch.Tensor | None = None) -> torch.Tensor:
+    """Explicit softmax(QK^T / sqrt(hd) + causal mask) V with K and V repeated per query group; with `seq_idx_BT`
+    the mask is also same-document (a dense [T, T] mask: the reference only)."""
     q, k, v = attn.project(hidden_BTD)
     repeat = attn.num_heads // attn.num_kv_heads
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scores = (q @ k.transpose(-1, -2)) * attn.head_dim ** -0.5
     length = hidden_BTD.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=hidden_BTD.device).tril()
+    if seq_idx_BT is not None:
+        causal = causal & same_document(seq_idx_BT, seq_idx_BT)[:, None]
     weights = torch.softmax(scores.float().masked_fill(~causal, float("-inf")), dim=-1).to(q.dtype)
     return attn.o_proj((weights @ v).transpose(1, 2).flatten(-2))

@@ -29,14 +29,15 @@ def build_mixer(kind: str, config: ModelConfig) -> nn.Module:
 
 
 def run_mixer(kind: str, mixer: nn.Module, normed_BTD: torch.Tensor, layer_cache=None, lengths=None,
-              expert_ids=None):
+              expert_ids=None, seq_idx=None):
     """The mixer's forward: attention reads and writes a KV cache, Mamba its state; the MoE may replay given routing
-    choices. Blocks take another function of this signature as `mixer_fn` (decoders pass their fast paths,
-    `hybridtron.infer.fastpath`)."""
-    if layer_cache is not None and kind == ATTENTION:
-        return mixer(normed_BTD, layer_cache, lengths)
-    if layer_cache is not None and kind == MAMBA:
-        return mixer(normed_BTD, layer_cache)
+    choices; attention and Mamba keep packed documents apart given `seq_idx` (`model.documents`). Blocks take
+    another function of this signature as `mixer_fn` (decoders pass their fast paths, `hybridtron.infer.fastpath`)."""
+    documents = {} if seq_idx is None else {"seq_idx": seq_idx}
+    if kind == ATTENTION and (layer_cache is not None or documents):
+        return mixer(normed_BTD, layer_cache, lengths, **documents)
+    if kind == MAMBA and (layer_cache is not None or documents):
+        return mixer(normed_BTD, layer_cache, **documents)
     if expert_ids is not None and kind == MOE:
         return mixer(normed_BTD, expert_ids=expert_ids)
     return mixer(normed_BTD)
@@ -50,8 +51,9 @@ class Block(nn.Module):
         self.mixer = build_mixer(kind, config)
 
     def forward(self, hidden_BTD: torch.Tensor, layer_cache=None, lengths=None, expert_ids=None,
-                mixer_fn=run_mixer) -> torch.Tensor:
-        return hidden_BTD + mixer_fn(self.kind, self.mixer, self.norm(hidden_BTD), layer_cache, lengths, expert_ids)
+                mixer_fn=run_mixer, seq_idx=None) -> torch.Tensor:
+        return hidden_BTD + mixer_fn(self.kind, self.mixer, self.norm(hidden_BTD), layer_cache, lengths, expert_ids,
+                                     seq_idx)
 
     def decode_step(self, hidden_BD: torch.Tensor, layer_cache=None, lengths_B=None) -> torch.Tensor:
         """One token per sequence ([B, D]) with static shapes, for a compiled decode step (`HybridLM.decode_step`)."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from hybridtron.config import MOE, ModelConfig
 from hybridtron.model.block import Block, run_mixer
+from hybridtron.model.documents import check_seq_idx
 from hybridtron.model.mamba2 import Mamba2Mixer
 from hybridtron.model.moe import MoE, Router, RoutedExperts
 from hybridtron.model.mtp import MTPBlock
@@ -175,7 +176,7 @@ class HybridLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, cache=None,
                 mtp: bool = True, expert_ids: dict[str, torch.Tensor] | None = None,
                 mixer_fn=run_mixer, logits: bool = True, following_ids: torch.Tensor | None = None,
-                counted: torch.Tensor | None = None) -> LMOutput:
+                counted: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> LMOutput:
         """`cache`: continue from a `model.state.LayerStates` (or its serving subclass `infer.cache.HybridCache`)
         and advance it (no MTP logits, no expert counts). `expert_ids`: routing replay for the backbone's MoE layers,
         {router name (`routers()`): chosen experts [B, T, k]}; a layer not named routes itself (the MTP block always
@@ -187,8 +188,14 @@ class HybridLM(nn.Module):
         positions reads their embeddings instead of the padding past an end; PAST_END where the sequence ends.
         `counted` [B, T] bool (with `following_ids`: [B, T + following]): the real positions, not padding (whose
         amount depends on how ragged rows were batched); the expert counts then include the backbone's routing at
-        counted positions t and MTP depth k's where t + k is counted too (it reads token t + k); None: everywhere."""
+        counted positions t and MTP depth k's where t + k is counted too (it reads token t + k); None: everywhere.
+        `seq_idx` [B, T] int: packed documents (`model.documents`): each position's document within its row,
+        non-decreasing; every document is computed as if alone in its row (training forwards: no `cache`)."""
         self._check_ids(input_ids)
+        if seq_idx is not None:
+            check_seq_idx(seq_idx, input_ids)
+            if cache is not None:
+                raise ValueError("HybridLM.forward: seq_idx (packed documents) is for training forwards, not a cache")
         length, ids_ahead = input_ids.shape[1], input_ids
         if following_ids is not None:
             self._check_ids(following_ids, "following_ids", past_end=True)
@@ -199,12 +206,12 @@ class HybridLM(nn.Module):
         # order autograd sums the embeddings' gradient in)
         embeddings_ahead = self.backbone.embeddings(ids_ahead) if following_ids is None else \
             embed_ahead(self.backbone.embeddings, ids_ahead)
-        hidden = embeddings = embeddings_ahead if following_ids is None else embeddings_ahead[:, :length]
+        hidden = embeddings_ahead if following_ids is None else embeddings_ahead[:, :length]
         layer_states = cache.layers if cache is not None else [None] * len(self.backbone.layers)
         lengths = cache.lengths if cache is not None else None
         for index, (layer, layer_cache) in enumerate(zip(self.backbone.layers, layer_states)):
             replay = expert_ids.get(str(index)) if expert_ids else None
-            hidden = layer(hidden, layer_cache, lengths, replay, mixer_fn)
+            hidden = layer(hidden, layer_cache, lengths, replay, mixer_fn, seq_idx)
         if cache is not None:
             cache.lengths += length
         hidden = self.backbone.norm_f(hidden)
@@ -218,7 +225,7 @@ class HybridLM(nn.Module):
                 # the embedding of token t+k; positions past the end see padding and are never scored
                 ahead = embeddings_ahead[:, depth:depth + length]
                 next_embedding = F.pad(ahead, (0, 0, 0, length - ahead.shape[1]))
-                previous = self.mtp(previous, next_embedding)
+                previous = self.mtp(previous, next_embedding, seq_idx=seq_idx)
                 out.mtp_hidden.append(previous)
                 if logits:
                     out.mtp_logits.append(self.lm_head(previous))

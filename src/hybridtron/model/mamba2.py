@@ -8,7 +8,8 @@
     out = out_proj(w * GroupRMS(y * SiLU(z)))
 
 `forward` (training, prefill, any number of tokens) runs the chunked scan (`ops.ssd.ssd_chunked`); given a
-`MambaState` (last K-1 conv inputs, SSM state) it continues from it and leaves its own final state in it.
+`MambaState` (last K-1 conv inputs, SSM state) it continues from it and leaves its own final state in it. Given
+`seq_idx` (packed rows, `model.documents`) each document's conv and scan start afresh (`document_conv`).
 `decode_step` is one token of the recurrence with static shapes (`ops.ssd.ssd_step`), the form a compiled decode
 step runs. The scan runs in fp32 whatever the activation dtype. Faster eager forms for CPU decoding (conv taps, the
 state advanced in place, verification that keeps every state) are `hybridtron.infer.fastpath`'s.
@@ -82,17 +83,30 @@ class Mamba2Mixer(nn.Module):
         # the gated norm reads the fp32 scan output (as mamba_ssm and transformers do); only its result is cast down
         return self.out_proj(self.norm(y.flatten(-2), z).to(z.dtype))
 
+    def conv(self, conv_input_BCT: torch.Tensor, seq_idx_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """The causal depthwise conv of [B, C, K-1+T] inputs -> [B, C, T]; with `seq_idx_BT` ([B, K-1+T]: the
+        documents of the inputs) by `document_conv`."""
+        if seq_idx_BT is None:
+            return F.conv1d(conv_input_BCT, self.conv1d.weight, self.conv1d.bias, groups=self.conv_channels)
+        return document_conv(conv_input_BCT, seq_idx_BT, self.conv1d.weight, self.conv1d.bias)
+
     # ---- the forward: any number of tokens, from a state or from zeros
-    def forward(self, hidden_BTD: torch.Tensor, state: MambaState | None = None) -> torch.Tensor:
+    def forward(self, hidden_BTD: torch.Tensor, state: MambaState | None = None,
+                seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         length = hidden_BTD.shape[1]
+        if seq_idx is not None and state is not None:
+            raise ValueError("Mamba-2: seq_idx (packed documents) is for training forwards, not a decoding state")
         z, xBC, dt_raw = self.split_projection(self.in_proj(hidden_BTD))
         conv_input_BCT = self.conv_input(xBC, state)
-        conv_BCT = F.conv1d(conv_input_BCT, self.conv1d.weight, self.conv1d.bias, groups=self.conv_channels)
-        x, B, C = self.split_xbc(F.silu(conv_BCT).transpose(1, 2))
+        # the K-1 zero inputs before the row belong to its first document
+        conv_seq_BT = None if seq_idx is None else \
+            torch.cat([seq_idx[:, :1].expand(-1, self.conv1d.kernel_size[0] - 1), seq_idx], dim=1)
+        x, B, C = self.split_xbc(F.silu(self.conv(conv_input_BCT, conv_seq_BT)).transpose(1, 2))
         dt, A = self.discretize(dt_raw)
         # a copy: autograd may keep the initial state for the backward, and the state is overwritten below
         initial = state.ssm_BHPN.to(torch.float32, copy=True) if state is not None else None
-        y, final = ssd_chunked(x.float() * dt[..., None], dt * A, B.float(), C.float(), self.chunk_size, initial)
+        y, final = ssd_chunked(x.float() * dt[..., None], dt * A, B.float(), C.float(), self.chunk_size, initial,
+                               seq_idx)
         if state is not None:
             state.conv_BCK.copy_(conv_input_BCT[..., length:])
             state.ssm_BHPN.copy_(final)
@@ -121,9 +135,26 @@ class Mamba2Mixer(nn.Module):
         return self.finish(y, x, z)
 
 
+def document_conv(conv_input_BCT: torch.Tensor, seq_idx_BT: torch.Tensor, weight_C1K: torch.Tensor,
+                  bias_C: torch.Tensor | None) -> torch.Tensor:
+    """The causal depthwise conv of packed documents, [B, C, K-1+T] -> [B, C, T]: output t (input K-1+t) reads
+    tap j's input only where it is in the same document (`seq_idx_BT` [B, K-1+T]), as K masked multiply-adds
+    (F.conv1d has no per-output mask; K is 4)."""
+    kernel, length = weight_C1K.shape[-1], conv_input_BCT.shape[-1] - weight_C1K.shape[-1] + 1
+    own_BT = seq_idx_BT[:, kernel - 1:]
+    out = None
+    for tap in range(kernel):
+        same_B1T = (seq_idx_BT[:, tap:tap + length] == own_BT)[:, None]
+        term = conv_input_BCT[..., tap:tap + length] * weight_C1K[:, 0, tap, None] * same_B1T
+        out = term if out is None else out + term
+    return out if bias_C is None else out + bias_C[:, None]
+
+
 def mamba2_mixer_ref(mixer: Mamba2Mixer, hidden_BTD: torch.Tensor,
-                     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """Token-by-token reference: explicit conv taps and the naive recurrence. Returns (out, (conv, ssm) state)."""
+                     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     seq_idx_BT: torch.Tensor | None = None):
+    """Token-by-token reference: explicit conv taps and the naive recurrence. Returns (out, (conv, ssm) state).
+    With `seq_idx_BT` a tap reads zero across a document start and the state restarts there."""
     batch, length, _ = hidden_BTD.shape
     zxbcdt = hidden_BTD @ mixer.in_proj.weight.T
     if mixer.in_proj.bias is not None:
@@ -134,13 +165,20 @@ def mamba2_mixer_ref(mixer: Mamba2Mixer, hidden_BTD: torch.Tensor,
         xBC.new_zeros(batch, kernel - 1, mixer.conv_channels)
     padded = torch.cat([previous, xBC], dim=1)  # [B, K-1+T, C]
     weight_CK = mixer.conv1d.weight[:, 0, :]
-    conv = sum(padded[:, tap:tap + length] * weight_CK[:, tap] for tap in range(kernel))
+    conv = 0
+    for tap in range(kernel):
+        term = padded[:, tap:tap + length] * weight_CK[:, tap]
+        if seq_idx_BT is not None:  # input t - (K-1) + tap must be in t's document (before the row: the first's)
+            source_T = (torch.arange(length, device=hidden_BTD.device) - (kernel - 1) + tap).clamp(min=0)
+            term = term * (seq_idx_BT[:, source_T] == seq_idx_BT)[..., None]
+        conv = conv + term
     if mixer.conv1d.bias is not None:
         conv = conv + mixer.conv1d.bias
     x, B, C = mixer.split_xbc(conv * torch.sigmoid(conv))
     dt, A = mixer.discretize(dt_raw)
     y, final = ssd_ref(x.float() * dt[..., None], dt * A, B.float(), C.float(),
-                       initial_state_BHPN=initial_state[1] if initial_state is not None else None)
+                       initial_state_BHPN=initial_state[1] if initial_state is not None else None,
+                       seq_idx_BT=seq_idx_BT)
     y = y + mixer.D.float()[:, None] * x.float()
     gated = y.flatten(-2) * (z.float() * torch.sigmoid(z.float()))
     groups = gated.unflatten(-1, (mixer.n_groups, -1))

@@ -41,13 +41,16 @@ class MTPBlock(nn.Module):
             MTPLayer(config, kind, first=i == 0, last=i == len(kinds) - 1) for i, kind in enumerate(kinds))
 
     def forward(self, previous_hidden_BTD: torch.Tensor, next_embedding_BTD: torch.Tensor,
-                caches: list | None = None, lengths: torch.Tensor | None = None, mixer_fn=run_mixer) -> torch.Tensor:
+                caches: list | None = None, lengths: torch.Tensor | None = None, mixer_fn=run_mixer,
+                seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """One depth: h_{k-1} [B, T, H] and embed(x_{t+k}) [B, T, H] -> h_k [B, T, H]. `caches` (one layer state
         per layer of the block) and `lengths`: continue from them, as the drafter does. `mixer_fn`: how each layer's
-        mixer runs (`block.run_mixer`'s signature; decoders pass their fast paths, MTP boosting its chain attention)."""
+        mixer runs (`block.run_mixer`'s signature; decoders pass their fast paths, MTP boosting its chain attention).
+        `seq_idx`: packed documents (`model.documents`), position t's document."""
         u = self.combine(previous_hidden_BTD, next_embedding_BTD)
         for i, layer in enumerate(self.layers):
-            u = u + mixer_fn(layer.kind, layer.mixer, layer.norm(u), caches[i] if caches else None, lengths, None)
+            u = u + mixer_fn(layer.kind, layer.mixer, layer.norm(u), caches[i] if caches else None, lengths, None,
+                             seq_idx)
         return self.layers[-1].final_layernorm(u)
 
     def decode_step(self, previous_hidden_BD: torch.Tensor, next_embedding_BD: torch.Tensor, caches: list,

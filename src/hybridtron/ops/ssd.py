@@ -43,8 +43,15 @@ def ssd_chunked(
     C_BTGN: torch.Tensor,
     chunk: int,
     initial_state_BHPN: torch.Tensor | None = None,
+    seq_idx_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (y [B,T,H,P], final state [B,H,P,N]). `x` is already multiplied by dt; `a` = dt * A."""
+    """Returns (y [B,T,H,P], final state [B,H,P,N]). `x` is already multiplied by dt; `a` = dt * A.
+
+    `seq_idx_BT` (document masking, see `model.documents`): each document starts from a zero state, the initial
+    state reaches only the row's first document, and the final state is the last document's. Four masks do it,
+    each where a chunk of the listing would mix two documents: the intra-chunk product (l and s in one document),
+    each chunk's own state (its positions in its last document), the carry through a chunk (only a chunk with no
+    document start), and the entering state's output (the positions of the document it belongs to)."""
     batch, length, heads, head_dim = x_BTHP.shape
     groups, state_size = B_BTGN.shape[-2:]
     per_group = heads // groups
@@ -52,6 +59,8 @@ def ssd_chunked(
     if pad:  # zero input and zero decay leave the state untouched
         x_BTHP, a_BTH, B_BTGN, C_BTGN = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in
                                          (x_BTHP, a_BTH, B_BTGN, C_BTGN))
+        if seq_idx_BT is not None:  # the padding continues the last document
+            seq_idx_BT = torch.cat([seq_idx_BT, seq_idx_BT[:, -1:].expand(-1, pad)], dim=1)
     chunks = x_BTHP.shape[1] // chunk
     x_BGJCLP = x_BTHP.reshape(batch, chunks, chunk, groups, per_group, head_dim).permute(0, 3, 4, 1, 2, 5)
     B_BGCLN = B_BTGN.reshape(batch, chunks, chunk, groups, state_size).permute(0, 3, 1, 2, 4)
@@ -64,14 +73,23 @@ def ssd_chunked(
                                    device=a_cumsum_BGJCL.device).triu(1)
     decay_BGJCLS = torch.exp((a_cumsum_BGJCL[..., :, None] + above_diagonal_LS) + (-a_cumsum_BGJCL)[..., None, :])
     CB_BGCLS = C_BGCLN @ B_BGCLN.transpose(-1, -2)
+    if seq_idx_BT is not None:
+        seq_BCL = seq_idx_BT.reshape(batch, chunks, chunk)
+        # the document the state entering each chunk belongs to: the previous chunk's last (the first chunk's own)
+        entering_BC = torch.cat([seq_BCL[:, :1, 0], seq_BCL[:, :-1, -1]], dim=1)
+        CB_BGCLS = CB_BGCLS.masked_fill((seq_BCL[..., :, None] != seq_BCL[..., None, :])[:, None], 0.0)
     y_BGJCLP = (CB_BGCLS[:, :, None] * decay_BGJCLS) @ x_BGJCLP
 
     # 2. the state each chunk leaves behind from its own tokens: sum_l exp(cumsum[end] - cumsum[l]) x_l (outer) B_l
     decay_to_end_BGJCL = torch.exp(a_cumsum_BGJCL[..., -1:] - a_cumsum_BGJCL)
+    if seq_idx_BT is not None:  # only the chunk's last document's positions
+        decay_to_end_BGJCL = decay_to_end_BGJCL * (seq_BCL == seq_BCL[..., -1:])[:, None, None]
     chunk_states_BGJCPN = (x_BGJCLP * decay_to_end_BGJCL[..., None]).transpose(-1, -2) @ B_BGCLN[:, :, None]
 
     # 3. pass states between chunks: S_in[c+1] = exp(total decay of chunk c) * S_in[c] + chunk_state[c]
     chunk_decay_BGJC = torch.exp(a_cumsum_BGJCL[..., -1])
+    if seq_idx_BT is not None:  # a document starting inside chunk c ends the entering state's document there
+        chunk_decay_BGJC = chunk_decay_BGJC * (seq_BCL[..., -1] == entering_BC)[:, None, None]
     if initial_state_BHPN is None:
         state_BGJPN = x_BGJCLP.new_zeros(batch, groups, per_group, head_dim, state_size)
     else:
@@ -83,8 +101,10 @@ def ssd_chunked(
     states_in_BGJCPN = torch.stack(states_in, dim=3)
 
     # 4. contribution of the state entering each chunk: exp(cumsum[l]) * C_l S_in
-    y_BGJCLP = y_BGJCLP + (C_BGCLN[:, :, None] @ states_in_BGJCPN.transpose(-1, -2)) * \
-        torch.exp(a_cumsum_BGJCL)[..., None]
+    entering_decay_BGJCL = torch.exp(a_cumsum_BGJCL)
+    if seq_idx_BT is not None:  # only to the positions of the document it belongs to
+        entering_decay_BGJCL = entering_decay_BGJCL * (seq_BCL == entering_BC[..., None])[:, None, None]
+    y_BGJCLP = y_BGJCLP + (C_BGCLN[:, :, None] @ states_in_BGJCPN.transpose(-1, -2)) * entering_decay_BGJCL[..., None]
 
     y_BTHP = y_BGJCLP.permute(0, 3, 4, 1, 2, 5).reshape(batch, chunks * chunk, heads, head_dim)[:, :length]
     return y_BTHP, state_BGJPN.reshape(batch, heads, head_dim, state_size)
@@ -169,15 +189,18 @@ def ssd_ref(
     C_BTGN: torch.Tensor,
     chunk: int | None = None,
     initial_state_BHPN: torch.Tensor | None = None,
+    seq_idx_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The naive per-token recurrence, B and C copied per head; same signature as `ssd_chunked` (`chunk` is
-    unused)."""
+    unused). With `seq_idx_BT` the state is zeroed wherever a new document starts."""
     batch, length, heads, head_dim = x_BTHP.shape
     per_group = heads // B_BTGN.shape[-2]
     state = initial_state_BHPN if initial_state_BHPN is not None else \
         x_BTHP.new_zeros(batch, heads, head_dim, B_BTGN.shape[-1])
     ys = []
     for t in range(length):
+        if seq_idx_BT is not None and t > 0:
+            state = state * (seq_idx_BT[:, t] == seq_idx_BT[:, t - 1])[:, None, None, None]
         B_BHN = B_BTGN[:, t].repeat_interleave(per_group, dim=1)
         C_BHN = C_BTGN[:, t].repeat_interleave(per_group, dim=1)
         state = state * torch.exp(a_BTH[:, t])[..., None, None] + x_BTHP[:, t, ..., None] * B_BHN[:, :, None, :]

@@ -54,7 +54,8 @@ class ChainAttention:
         self.chain_kv: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.routed: dict[int, torch.Tensor] = {}  # by MoE module: tokens per expert, summed over the depths
 
-    def __call__(self, kind, mixer, normed_BTH, layer_cache=None, lengths=None, expert_ids=None):
+    def __call__(self, kind, mixer, normed_BTH, layer_cache=None, lengths=None, expert_ids=None, seq_idx=None):
+        """`run_mixer`'s signature; the boosting pool's prompts are one document per row (`seq_idx` None)."""
         if kind != ATTENTION:
             out = run_mixer(kind, mixer, normed_BTH)
             if kind == MOE:
