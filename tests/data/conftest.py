@@ -53,12 +53,13 @@ def synthetic_store(lengths_per_bucket: dict[str, list[int]]):
 
 @pytest.fixture
 def synthetic_loader():
-    """`synthetic_loader(lengths_per_bucket, weights, seq_len=32, batch_size=4, seed=0)` -> (loader, store)."""
+    """`synthetic_loader(lengths_per_bucket, weights, seq_len=32, batch_size=4, seed=0, document_mask=False)`
+    -> (loader, store)."""
 
-    def make(lengths_per_bucket, weights, seq_len=32, batch_size=4, seed=0):
+    def make(lengths_per_bucket, weights, seq_len=32, batch_size=4, seed=0, document_mask=False):
         store, buckets = synthetic_store(lengths_per_bucket)
         loader = PackedLoader(store, buckets, weights, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                              bos_id=BOS, eos_id=EOS, fingerprint="synthetic")
+                              bos_id=BOS, eos_id=EOS, fingerprint="synthetic", document_mask=document_mask)
         return loader, store
 
     return make

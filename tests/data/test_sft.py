@@ -1,5 +1,5 @@
-"""SFT data: loss masks checked by hand (thinking masked or trained), packing boundaries, truncation, the split,
-malformed JSONL named by file and line, and the resumable loader."""
+"""SFT data: loss masks checked by hand (thinking masked or trained), packing boundaries, the document mask
+(seq_idx), truncation, the split, malformed JSONL named by file and line, and the resumable loader."""
 
 from __future__ import annotations
 
@@ -76,6 +76,18 @@ def test_packing_is_first_fit_within_the_window():
     assert pack_conversations([3, 2, 1, 0], lengths, seq_len=8, window=2) == [[3, 2], [1], [0]]
 
 
+def seq_idx_ref(lengths: list[list[int]], seq_len: int) -> torch.Tensor:
+    """The document mask of packed rows spelled out one position at a time: row r holds conversations of
+    `lengths[r]` tokens; position t is in conversation j when it falls within the j-th, else in the pad tail,
+    one document after the last conversation."""
+    seq_idx = torch.zeros(len(lengths), seq_len, dtype=torch.int64)
+    for r, row in enumerate(lengths):
+        ends = np.cumsum(row)
+        for t in range(seq_len):
+            seq_idx[r, t] = int((ends <= t).sum())  # conversations that ended before t
+    return seq_idx
+
+
 def test_packed_rows_keep_conversations_whole_and_apart(tokenizer):
     conversations = [conversation(i, words=i % 7) for i in range(40)]
     data = build_sft_data(conversations, tokenizer, SFTDataConfig(seq_len=128, batch_size=4, val_fraction=0.1))
@@ -84,8 +96,14 @@ def test_packed_rows_keep_conversations_whole_and_apart(tokenizer):
     seen = sorted(i for row in rows for i in row)
     assert seen == sorted(loader.indices.tolist())  # an epoch holds every training conversation once
     assert loader.rows_of_epoch(1) != rows  # and the next epoch another order
-    input_ids, labels = row_tensors(loader.store, rows, 128, tokenizer.pad_id)
+    batch = row_tensors(loader.store, rows, 128, tokenizer.pad_id, document_mask=True)
+    input_ids, labels = batch.input_ids, batch.labels
     assert max(len(row) for row in rows) >= 3  # conversations of 35-41 tokens, packed three to a row
+    # each conversation its own document, the pad tail one more: conversations sharing a row do not see each other
+    assert torch.equal(batch.seq_idx, seq_idx_ref([loader.store.lengths()[row].tolist() for row in rows], 128))
+    assert (batch.seq_idx[:, 0] == 0).all() and (batch.seq_idx[:, 1:] >= batch.seq_idx[:, :-1]).all()
+    assert row_tensors(loader.store, rows, 128, tokenizer.pad_id).seq_idx is None
+    assert any(sum(loader.store.lengths()[row]) < 128 for row in rows)  # a pad tail was among those checked
     bos, pad = tokenizer.bos_id, tokenizer.pad_id
     for r, row in enumerate(rows):
         starts = (input_ids[r] == bos).nonzero().flatten().tolist()
@@ -126,8 +144,10 @@ def test_validation_split(tokenizer):
     assert same <= train or same <= val  # duplicates land on the same side
     again = build_sft_data(conversations[::-1], tokenizer, SFTDataConfig(seq_len=128, val_fraction=0.2, seed=5))
     assert again.stats.val_conversations == len(val)  # the split ignores order and seed
-    held = torch.cat([labels for _, labels in data.val_batches])
+    held = torch.cat([batch.labels for batch in data.val_batches])
     assert held.shape[1] == 128 and (held != IGNORE_INDEX).any()
+    assert all(batch.seq_idx is not None and batch.seq_idx.shape == batch.input_ids.shape  # masked by default
+               for batch in data.val_batches)
     tiny = build_sft_data([conversation(0), conversation(1)], tokenizer, SFTDataConfig(seq_len=64))
     assert (tiny.stats.train_conversations, tiny.stats.val_conversations) == (1, 1)  # 5% of 2 still holds one out
     with pytest.raises(ValueError, match="holds out no conversation"):
@@ -149,9 +169,33 @@ def test_loader_resumes_where_it_stopped(tokenizer):
         resumed.load_state_dict(state)
         for i in range(stop, stop + 4):
             got, want = next(resumed), expected[i]
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (stop, i)
+            for field in ("input_ids", "labels", "seq_idx"):  # the document mask is on by default
+                assert torch.equal(getattr(got, field), getattr(want, field)), (stop, i, field)
     first = next(straight)
-    assert first[0].shape == (3, 96) and first[0].dtype == first[1].dtype == torch.int64
+    assert first.input_ids.shape == first.seq_idx.shape == (3, 96)
+    assert first.input_ids.dtype == first.labels.dtype == first.seq_idx.dtype == torch.int64
+
+
+def test_document_mask_is_on_by_default_and_can_be_turned_off(tokenizer):
+    conversations = [conversation(i, words=i % 5) for i in range(30)]
+    assert SFTDataConfig().document_mask
+    masked = build_sft_data(conversations, tokenizer, SFTDataConfig(seq_len=96, batch_size=3, val_fraction=0.1))
+    plain = build_sft_data(conversations, tokenizer, SFTDataConfig(seq_len=96, batch_size=3, val_fraction=0.1,
+                                                                   document_mask=False))
+    # the mask adds seq_idx and changes nothing else: the same rows, the same loader position (fingerprint)
+    assert masked.train_loader.fingerprint == plain.train_loader.fingerprint
+    for _ in range(3):
+        batch, unmasked = next(masked.train_loader), next(plain.train_loader)
+        assert unmasked.seq_idx is None
+        assert torch.equal(batch.input_ids, unmasked.input_ids) and torch.equal(batch.labels, unmasked.labels)
+        # a new document at every conversation's bos, and where the pad tail begins
+        ids, seq_idx = batch.input_ids, batch.seq_idx
+        pad = tokenizer.pad_id
+        opens = (ids[:, 1:] == tokenizer.bos_id) | ((ids[:, 1:] == pad) & (ids[:, :-1] != pad))
+        assert torch.equal(seq_idx[:, 1:] != seq_idx[:, :-1], opens) and (seq_idx[:, 0] == 0).all()
+    assert all(batch.seq_idx is None for batch in plain.val_batches)
+    with pytest.raises(ValueError, match="sft.document_mask: expected true or false"):
+        SFTDataConfig(document_mask=1)
 
 
 def test_loader_refuses_another_runs_state(tokenizer):
@@ -174,9 +218,9 @@ def test_the_model_trains_on_a_batch(tokenizer, small_config):
 
     data = build_sft_data([{"messages": TWO_TURNS}, conversation(1)], tokenizer,
                           SFTDataConfig(seq_len=64, batch_size=2, val_fraction=0))
-    input_ids, labels = next(data.train_loader)
+    batch = next(data.train_loader)
     model = HybridLM(small_config(vocab_size=tokenizer.vocab_size))
-    out = model(input_ids, labels)
+    out = model(batch.input_ids, batch.labels, seq_idx=batch.seq_idx)
     out.loss.backward()
     assert torch.isfinite(out.loss) and model.backbone.embeddings.weight.grad.abs().sum() > 0
 

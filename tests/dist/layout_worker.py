@@ -4,7 +4,8 @@
 
 LAYOUT is `dp_shard=2,ep=2`-style ([dist] fields; unnamed ones default, dp_shard takes the rest; also
 `recompute=full|selective` and `compile=BACKEND` for the blocks, `precision=nvfp4|mxfp8` for the emulated GEMMs,
-`grad_accum_dtype=bf16` for lm_head's gradient reduction, and `steps=N`). Each layout
+`grad_accum_dtype=bf16` for lm_head's gradient reduction, `documents=1` for batches with a document mask (seq_idx),
+and `steps=N`). Each layout
 builds its own meshes over the one process group, trains `train_steps` steps from the same initialization on
 the same global batches, and global rank 0 writes, per layout, every step's metrics, gradient norm and globally
 reduced expert counts to OUT.json. `train(None, ...)` is the single-process reference the tests compare against.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from hybridtron.data.batch import TokenBatch
 from hybridtron.dist.config import DistConfig
 from hybridtron.dist.mesh import init_parallel
 from hybridtron.dist.parallelize import parallelize
@@ -56,10 +58,11 @@ def model_config():
 
 class SyntheticBatches(BatchSource):
     """Deterministic global micro-batches with document boundaries (labels -100 at ~6% of positions, so the ranks'
-    valid-token counts differ and the loss weighting is exercised); its position is the step count."""
+    valid-token counts differ and the loss weighting is exercised); its position is the step count. `documents`:
+    `TokenBatch`es whose seq_idx starts a new document after each of those boundaries (a document mask)."""
 
-    def __init__(self, vocab: int, seed: int = 1):
-        self.vocab, self.seed, self.steps = vocab, seed, 0
+    def __init__(self, vocab: int, seed: int = 1, documents: bool = False):
+        self.vocab, self.seed, self.steps, self.documents = vocab, seed, 0, documents
 
     def next_step(self):
         generator = torch.Generator().manual_seed(self.seed * 100_003 + self.steps)
@@ -70,7 +73,12 @@ class SyntheticBatches(BatchSource):
             labels = torch.roll(ids, -1, dims=1)
             labels[torch.rand(BATCH, SEQ, generator=generator) < 0.06] = IGNORE_INDEX
             labels[:, -1] = IGNORE_INDEX
-            batches.append((ids, labels))
+            if self.documents:
+                starts = torch.zeros_like(ids)
+                starts[:, 1:] = labels[:, :-1] == IGNORE_INDEX  # a new document where no label reached
+                batches.append(TokenBatch(ids, labels, seq_idx=starts.cumsum(1)))
+            else:
+                batches.append((ids, labels))
         return batches
 
     def state_dict(self):
@@ -94,7 +102,7 @@ class Record(Hook):
 
 
 def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_backend: str | None = None,
-          precision: str = "fp32", grad_accum_dtype: str = "fp32") -> list[dict]:
+          precision: str = "fp32", grad_accum_dtype: str = "fp32", documents: bool = False) -> list[dict]:
     """Train `steps` steps from the initialization of seed SEED; the per-step records (same on every rank). The
     precision policy is applied before the layout, as `hybridtron.train.run.assemble_trainer` does."""
     torch.manual_seed(SEED)
@@ -106,7 +114,7 @@ def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_back
     model = parallelize(model, parallel, recompute=recompute, compile=compile_backend is not None,
                         compile_backend=compile_backend or "inductor",
                         output_reduce_dtype=torch.bfloat16 if grad_accum_dtype == "bf16" else torch.float32)
-    batches = SyntheticBatches(config.vocab_size)
+    batches = SyntheticBatches(config.vocab_size, documents=documents)
     objective = PretrainObjective()
     if parallel is not None:
         batches = DataParallelBatches(batches, parallel, config.mtp_depths)
@@ -121,7 +129,7 @@ def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_back
 
 
 # not [dist] fields: how the blocks run and what the run trains in
-TRAIN_OPTIONS = ("recompute", "compile", "precision", "grad_accum_dtype", "steps")
+TRAIN_OPTIONS = ("recompute", "compile", "precision", "grad_accum_dtype", "steps", "documents")
 
 
 def parse_layout(text: str) -> tuple[DistConfig, dict]:
@@ -148,7 +156,8 @@ def main(out: str, layouts: list[str]) -> None:
                                  context_parallel=True)
         results[text] = train(parallel, int(options.get("steps", STEPS)), recompute=options.get("recompute", "none"),
                               compile_backend=options.get("compile"), precision=options.get("precision", "fp32"),
-                              grad_accum_dtype=options.get("grad_accum_dtype", "fp32"))
+                              grad_accum_dtype=options.get("grad_accum_dtype", "fp32"),
+                              documents=bool(int(options.get("documents", 0))))
     if parallel.is_main:
         Path(out).write_text(json.dumps(results))
     parallel.close()

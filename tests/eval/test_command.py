@@ -63,7 +63,9 @@ def test_conversation_loss_scores_only_the_assistant_turns(checkpoint):
     tokenizer = load_chat_tokenizer(checkpoint)
     chats = {"math": [{"messages": [{"role": "user", "content": "1 + 1?"},
                                     {"role": "assistant", "content": "\\boxed{2}"}]}]}
-    [(ids, labels)] = conversation_batches(tokenizer, chats["math"], 256)
+    [batch] = conversation_batches(tokenizer, chats["math"], 256)
+    ids, labels = batch.input_ids, batch.labels
+    assert batch.seq_idx is None  # one conversation a row
     assert ids.shape == labels.shape and (labels != IGNORE_INDEX).sum() < labels.numel()
     with torch.no_grad():
         logits = model(ids, mtp=False).logits[0]

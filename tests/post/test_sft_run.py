@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,8 @@ def test_the_loss_counts_only_assistant_tokens(tokenizer, small_config):
     chat = tokenize_chat(tokenizer, messages)
     data = build_sft_data([{"messages": messages}], tokenizer, SFTConfig(val_fraction=0).data_config(),
                           seq_len=SEQ_LEN, batch_size=1)
-    input_ids, labels = next(data.train_loader)
+    batch = next(data.train_loader)
+    input_ids, labels = batch.input_ids, batch.labels
     assert input_ids[0, :len(chat)].tolist() == chat.ids.tolist()
 
     answer = torch.from_numpy(chat.segments == Segment.ANSWER)
@@ -90,13 +92,38 @@ def test_the_loss_counts_only_assistant_tokens(tokenizer, small_config):
 
     model = HybridLM(small_config(vocab_size=512)).eval()
     objective = SFTObjective(mtp_depths=model.config.mtp_num_depths)
-    objective.begin_step([(input_ids, labels)])
-    out = objective(model, (input_ids, labels))
-    logits = model(input_ids).logits[0, :len(chat) - 1]
+    objective.begin_step([batch])
+    out = objective(model, batch)
+    logits = model(input_ids).logits[0, :len(chat) - 1]  # the row's first document: causal, no mask needed
     positions = [t - 1 for t in range(1, len(chat)) if answer[t]]
     hand = F.cross_entropy(logits[positions], torch.tensor(expected_targets))
     assert torch.allclose(out.metrics["lm_loss"], hand, atol=1e-5)
     assert out.metrics["trained_tokens"] == len(expected_targets)
+
+
+def test_packed_conversations_do_not_see_each_other(tokenizer, math_conversations, small_config):
+    """Two conversations packed into one row (the document mask on, SFT's default): the objective's loss is the loss
+    of the same two conversations each alone in a row; without the mask the second reads the first."""
+    conversations = math_conversations[:2]
+    model = HybridLM(small_config(vocab_size=512)).eval()
+    data_config = SFTConfig(val_fraction=0).data_config()
+
+    def loss(config, seq_len, batch_size):
+        batch = next(build_sft_data(conversations, tokenizer, config, seq_len=seq_len, batch_size=batch_size)
+                     .train_loader)
+        objective = SFTObjective(mtp_depths=model.config.mtp_num_depths)
+        objective.begin_step([batch])
+        with torch.no_grad():
+            return batch, objective(model, batch).metrics
+
+    packed, masked = loss(data_config, 2 * SEQ_LEN, 1)
+    assert packed.input_ids.shape[0] == 1 and int(packed.seq_idx.max()) >= 1  # both in the row, and a pad tail
+    alone_rows, alone = loss(data_config, SEQ_LEN, 2)
+    assert alone_rows.input_ids.shape[0] == 2
+    for key in ("loss", "lm_loss", "trained_tokens"):
+        torch.testing.assert_close(masked[key], alone[key], atol=1e-5, rtol=1e-5, msg=key)
+    _, shared = loss(replace(data_config, document_mask=False), 2 * SEQ_LEN, 1)
+    assert not torch.allclose(shared["lm_loss"], alone["lm_loss"], atol=1e-4)
 
 
 def test_thinking_is_masked_by_default_and_trained_with_the_switch(tokenizer, math_conversations):

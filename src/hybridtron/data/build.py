@@ -8,7 +8,8 @@ Steps (each cached or fast, so a second call on the stdlib takes a couple of sec
    falls below `val_fraction`; a bucket never loses its last origin. Deterministic, disjoint from training,
    independent of the seed and of which other documents are loaded.
 5. Mixture plan: weights over the training buckets, proxy sub-sampling, the repetition guard, the report.
-6. The resumable `PackedLoader` and the fixed validation batches.
+6. The resumable `PackedLoader` and the fixed validation batches (`TokenBatch`es; with `document_mask`, their
+   seq_idx too).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
-import torch
 
+from hybridtron.data.batch import TokenBatch
 from hybridtron.data.corpus import Document, corpus_fingerprint, read_rollouts, read_source
 from hybridtron.data.loader import BucketDocs, PackedLoader, validation_batches
 from hybridtron.data.mixture import BucketPlan, MixtureReport, mixture_weights, proxy_keep
@@ -64,6 +65,11 @@ class DataConfig:
     total_tokens: int | None = None  # the run's token budget; None = one pass over the training split
     val_fraction: float = 0.02  # share of each bucket's origins (files, records) held out for validation
     val_batches: int | None = 8  # validation batches kept (fixed for the whole run); None = all
+    document_mask: bool = False  # batches carry seq_idx, each position's document in its row: attention, the
+    #   Mamba scan and conv restart at every bos (attention runs a call per document). Off by default: at base
+    #   length the bos already resets the model's context and the report's pretraining packs without a mask;
+    #   Llama 3 found masking mattered little in standard pretraining and a lot in long-context continued
+    #   pretraining: a long-context phase turns it on
     # mixture
     mixture: str = "natural"  # preset (natural, uniform, quality) or a path to a mixture .toml
     proxy_of: int | None = None  # the full run's token budget when this run is its proxy (needs a budget)
@@ -73,7 +79,8 @@ class DataConfig:
     cache_dir: str | None = None  # tokenizer and token caches; None = default_cache_dir()
 
     # the data a run reads is fixed at its start (its loader position counts into this stream); only where the
-    # caches live may change on resume (hybridtron.train.config)
+    # caches live may change on resume (hybridtron.train.config). document_mask leaves the stream as it is but
+    # changes what the model computes on it, so a resume keeps it too
     RESUMABLE: ClassVar = ("cache_dir",)
 
     def __post_init__(self):
@@ -92,6 +99,8 @@ class DataConfig:
         for name in ("max_documents", "total_tokens", "proxy_of", "val_batches"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"data.{name}: expected a positive integer or None, got {getattr(self, name)}")
+        if not isinstance(self.document_mask, bool):
+            raise ValueError(f"data.document_mask: expected true or false, got {self.document_mask!r}")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"data.val_fraction: expected a number in [0, 1), got {self.val_fraction}")
         if not self.max_epochs > 0:
@@ -105,7 +114,7 @@ class DataConfig:
 class DataBundle:
     tokenizer: Tokenizer
     train_loader: PackedLoader
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    val_batches: list[TokenBatch]
     mixture_report: MixtureReport
     stats: dict = field(default_factory=dict)  # corpus size, split sizes and the seconds each step took
 
@@ -236,10 +245,12 @@ def build_data(config: DataConfig, *, seq_len: int | None = None, batch_size: in
                                               for b in bucket_docs], config.seed]).encode()).hexdigest()[:16]
     loader = PackedLoader(store, bucket_docs, [weights[b.name] for b in bucket_docs], seq_len=config.seq_len,
                           batch_size=config.batch_size, seed=config.seed, bos_id=tokenizer.bos_id,
-                          eos_id=tokenizer.eos_id, fingerprint=plan_fingerprint)
+                          eos_id=tokenizer.eos_id, fingerprint=plan_fingerprint,
+                          document_mask=config.document_mask)
     held_out = validation_batches(store, val, seq_len=config.seq_len, batch_size=config.batch_size,
                                   max_batches=config.val_batches, bos_id=tokenizer.bos_id,
-                                  eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+                                  eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+                                  document_mask=config.document_mask)
     seconds["plan"] = time.perf_counter() - clock
 
     stats = {

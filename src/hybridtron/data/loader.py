@@ -8,6 +8,9 @@ the whole stream is a pure function of (seed, draw index) and the loader's posit
 per-bucket count: `state_dict()` after N batches, `load_state_dict()` into a fresh loader, and the next batches
 are identical to an uninterrupted run's (none repeated, none skipped). The position is in tokens of the stream,
 not in batches, so a resume may change batch size or sequence length.
+
+Batches are `TokenBatch`es (hybridtron.data.batch); with `document_mask` they carry `seq_idx`, each position's
+document within its row (`packing.pack_rows`), which changes what the model computes but not the stream.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
 
+from hybridtron.data.batch import TokenBatch
 from hybridtron.data.packing import TokenStore, pack_rows
 
 BLOCK = 4096  # bucket draws generated per RNG block
@@ -55,10 +58,12 @@ def packed_document(store: TokenStore, start: int, length: int, complete: bool, 
 
 
 class PackedLoader:
-    """Infinite iterator of `(input_ids [B,T], labels [B,T])` int64 batches drawn from weighted buckets."""
+    """Infinite iterator of `TokenBatch`es (input_ids [B,T], labels [B,T], int64; with `document_mask` seq_idx
+    [B,T]) drawn from weighted buckets. The mask is not in `fingerprint`: it leaves the stream as it is."""
 
     def __init__(self, store: TokenStore, buckets: Sequence[BucketDocs], weights: Sequence[float], *,
-                 seq_len: int, batch_size: int, seed: int, bos_id: int, eos_id: int, fingerprint: str):
+                 seq_len: int, batch_size: int, seed: int, bos_id: int, eos_id: int, fingerprint: str,
+                 document_mask: bool = False):
         if len(buckets) != len(weights) or not buckets:
             raise ValueError("PackedLoader: expected one weight per bucket and at least one bucket")
         if any(len(b) == 0 for b in buckets):
@@ -66,6 +71,7 @@ class PackedLoader:
         self.store, self.buckets = store, list(buckets)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.bos_id, self.eos_id, self.fingerprint = bos_id, eos_id, fingerprint
+        self.document_mask = document_mask
         mean_lengths = np.array([b.packed_tokens / len(b) for b in self.buckets])
         probabilities = np.asarray(weights, dtype=np.float64) / mean_lengths
         self.probabilities = probabilities / probabilities.sum()
@@ -129,10 +135,10 @@ class PackedLoader:
     def __iter__(self) -> "PackedLoader":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> TokenBatch:
         ids, starts = self._take(self.batch_size * self.seq_len)
         self.batches += 1
-        return pack_rows(ids, starts, self.seq_len)
+        return pack_rows(ids, starts, self.seq_len, document_mask=self.document_mask)
 
     # ------------------------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
@@ -161,10 +167,11 @@ class PackedLoader:
 
 
 def validation_batches(store: TokenStore, documents: Sequence[int], *, seq_len: int, batch_size: int,
-                       max_batches: int | None, bos_id: int, eos_id: int, pad_id: int
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                       max_batches: int | None, bos_id: int, eos_id: int, pad_id: int,
+                       document_mask: bool = False) -> list[TokenBatch]:
     """Pack the validation documents (store indices, in the given order) into at most `max_batches` batches;
-    the last row is padded with pad (labels -100), the last batch may have fewer rows."""
+    the last row is padded with pad (labels -100), the last batch may have fewer rows. `document_mask`: with
+    seq_idx, the padding one document of its own."""
     limit = None if max_batches is None else max_batches * batch_size * seq_len + 1
     ids_parts, start_parts, total = [], [], 0
     for index in documents:
@@ -183,8 +190,11 @@ def validation_batches(store: TokenStore, documents: Sequence[int], *, seq_len: 
     if max_batches is not None:
         rows = min(rows, max_batches * batch_size)
     length = rows * seq_len + 1
-    if len(ids) < length:  # pad the tail; every pad token counts as its own document
+    padding = np.zeros(max(length, len(ids)), dtype=bool)
+    if len(ids) < length:  # pad the tail; every pad token counts as its own document for the labels
+        padding[len(ids):] = True
         ids = np.concatenate([ids, np.full(length - len(ids), pad_id, dtype=np.int64)])
         starts = np.concatenate([starts, np.ones(length - len(starts), dtype=bool)])
-    input_ids, labels = pack_rows(ids[:length], starts[:length], seq_len)
-    return [(input_ids[i:i + batch_size], labels[i:i + batch_size]) for i in range(0, rows, batch_size)]
+    batch = pack_rows(ids[:length], starts[:length], seq_len, document_mask=document_mask,
+                      padding_N=padding[:length])
+    return [batch.rows(i, i + batch_size) for i in range(0, rows, batch_size)]

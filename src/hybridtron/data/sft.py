@@ -17,13 +17,17 @@ Recipe (Nemotron 3 Ultra's SFT stage, at any scale):
 4. Packing: each epoch orders the training conversations by a permutation of `(seed, epoch)` and places them
    first-fit into a window of `pack_window` open rows of `seq_len` tokens (a row leaves the window, in opening
    order, when a new one is needed and the window is full); the rest of a row is pad tokens with label
-   IGNORE_INDEX. As in pretraining, conversations sharing a row share the attention and SSM context (the model
-   has no document mask); each opens with bos, the same reset the model saw at every pretraining document.
+   IGNORE_INDEX. Conversations sharing a row do not see each other (`document_mask`, on by default): the rows
+   carry `seq_idx`, each conversation's index within its row and the pad tail one more, so attention, the Mamba
+   scan and its conv restart at every conversation, which is then computed as if it were alone in its row. With
+   `document_mask=False` they share the attention and SSM context, as pretraining's documents do by default; each
+   opens with bos, the same reset the model saw at every pretraining document.
 5. Split: a conversation is held out for validation when a hash of its messages falls below `val_fraction`
    (deterministic, independent of the seed and of the other conversations; duplicates land on the same side).
    At least one conversation is held out when two or more differ. Validation rows are packed once, in hash
    order, and kept fixed (`val_batches` batches at most).
-6. `SFTLoader` matches `PackedLoader`: `next()` -> `(input_ids [B, T], labels [B, T])` int64, and its position
+6. `SFTLoader` matches `PackedLoader`: `next()` -> a `TokenBatch` (input_ids [B, T], labels [B, T], seq_idx
+   [B, T] with the mask, int64; hybridtron.data.batch), and its position
    (epoch, row) is `state_dict()`; a resumed loader yields the batches an uninterrupted one would. The batch size
    may change on resume, `seq_len` may not (it decides the packing).
 """
@@ -41,6 +45,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from hybridtron.data.batch import TokenBatch
 from hybridtron.data.chat import REASONING_HISTORY, Segment, tokenize_chats, validate_messages
 from hybridtron.data.corpus import jsonl_records
 from hybridtron.data.tokenizer import Tokenizer
@@ -235,35 +240,42 @@ def pack_conversations(order: Sequence[int], lengths: np.ndarray, seq_len: int,
     return rows + open_rows
 
 
-def row_tensors(store: ConversationStore, rows: Sequence[Sequence[int]], seq_len: int,
-                pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(input_ids [R, T], labels [R, T])` int64 of packed rows; the tail of a row is pad, label IGNORE_INDEX."""
+def row_tensors(store: ConversationStore, rows: Sequence[Sequence[int]], seq_len: int, pad_id: int,
+                document_mask: bool = False) -> TokenBatch:
+    """A `TokenBatch` of packed rows: input_ids [R, T] and labels [R, T] int64; the tail of a row is pad, label
+    IGNORE_INDEX. `document_mask`: seq_idx [R, T] too, conversation j of a row at index j, its pad tail at one
+    more."""
     input_ids = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
     labels = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
+    seq_idx = np.zeros((len(rows), seq_len), dtype=np.int64)
     for r, row in enumerate(rows):
         t = 0
-        for index in row:
+        for j, index in enumerate(row):
             start, end = store.offsets[index], store.offsets[index + 1]
             input_ids[r, t:t + end - start] = store.ids[start:end]
             labels[r, t:t + end - start] = store.labels[start:end]
+            seq_idx[r, t:t + end - start] = j
             t += end - start
         assert t <= seq_len
-    return torch.from_numpy(input_ids), torch.from_numpy(labels)
+        seq_idx[r, t:] = len(row)
+    return TokenBatch(torch.from_numpy(input_ids), torch.from_numpy(labels),
+                      torch.from_numpy(seq_idx) if document_mask else None)
 
 
 class SFTLoader:
-    """Infinite iterator of `(input_ids [B, T], labels [B, T])` int64 batches of packed training conversations,
-    epoch after epoch, each epoch in its own seeded order."""
+    """Infinite iterator of `TokenBatch`es of packed training conversations (`row_tensors`), epoch after epoch,
+    each epoch in its own seeded order. `document_mask` (seq_idx) is not in `fingerprint`: the rows stay the same."""
 
     def __init__(self, store: ConversationStore, indices: Sequence[int], *, seq_len: int, batch_size: int,
-                 seed: int, pad_id: int, fingerprint: str, pack_window: int = PACK_WINDOW):
+                 seed: int, pad_id: int, fingerprint: str, pack_window: int = PACK_WINDOW,
+                 document_mask: bool = False):
         if not len(indices):
             raise ValueError("SFTLoader: no training conversations")
         if seq_len < 2 or batch_size < 1:
             raise ValueError(f"SFTLoader: expected seq_len >= 2 and batch_size >= 1, got {seq_len}, {batch_size}")
         self.store, self.indices = store, np.asarray(indices, dtype=np.int64)
         self.seq_len, self.batch_size, self.seed, self.pad_id = seq_len, batch_size, seed, pad_id
-        self.fingerprint, self.pack_window = fingerprint, pack_window
+        self.fingerprint, self.pack_window, self.document_mask = fingerprint, pack_window, document_mask
         self._rows_epoch, self._rows = -1, []
         self.epoch, self.row, self.batches = 0, 0, 0
 
@@ -277,7 +289,7 @@ class SFTLoader:
     def __iter__(self) -> "SFTLoader":
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> TokenBatch:
         batch = []
         while len(batch) < self.batch_size:
             rows = self.rows_of_epoch(self.epoch)
@@ -287,7 +299,7 @@ class SFTLoader:
             if self.row == len(rows):
                 self.epoch, self.row = self.epoch + 1, 0
         self.batches += 1
-        return row_tensors(self.store, batch, self.seq_len, self.pad_id)
+        return row_tensors(self.store, batch, self.seq_len, self.pad_id, self.document_mask)
 
     def state_dict(self) -> dict:
         return {"version": STATE_VERSION, "fingerprint": self.fingerprint, "seq_len": self.seq_len,
@@ -319,6 +331,7 @@ class SFTDataConfig:
     val_batches: int | None = 8  # validation batches kept; None = all
     seed: int = 0  # epoch order
     pack_window: int = PACK_WINDOW  # open rows first-fit packing searches
+    document_mask: bool = True  # rows carry seq_idx: conversations sharing a row do not see each other
 
     def __post_init__(self):
         for name in ("seq_len", "batch_size", "pack_window"):
@@ -333,14 +346,15 @@ class SFTDataConfig:
         if self.reasoning_history not in REASONING_HISTORY:
             raise ValueError(f"sft.reasoning_history: expected one of {', '.join(REASONING_HISTORY)}, "
                              f"got {self.reasoning_history!r}")
-        if not isinstance(self.train_on_thinking, bool):
-            raise ValueError(f"sft.train_on_thinking: expected true or false, got {self.train_on_thinking!r}")
+        for name in ("train_on_thinking", "document_mask"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sft.{name}: expected true or false, got {getattr(self, name)!r}")
 
 
 @dataclass
 class SFTData:
     train_loader: SFTLoader
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    val_batches: list[TokenBatch]
     stats: SFTStats
 
 
@@ -382,14 +396,14 @@ def build_sft_data(conversations: Sequence[dict], tokenizer: Tokenizer, config: 
         tokenizer.fingerprint, store.keys, config.train_on_thinking, config.reasoning_history, config.seq_len,
         config.val_fraction, config.seed, config.pack_window]).encode()).hexdigest()[:16]
     loader = SFTLoader(store, train, seq_len=config.seq_len, batch_size=config.batch_size, seed=config.seed,
-                       pad_id=tokenizer.pad_id, fingerprint=fingerprint, pack_window=config.pack_window)
+                       pad_id=tokenizer.pad_id, fingerprint=fingerprint, pack_window=config.pack_window,
+                       document_mask=config.document_mask)
 
     val_rows = pack_conversations(val, store.lengths(), config.seq_len, config.pack_window)
     if config.val_batches is not None:
         val_rows = val_rows[:config.val_batches * config.batch_size]
-    input_ids, labels = row_tensors(store, val_rows, config.seq_len, tokenizer.pad_id)
-    held_out = [(input_ids[i:i + config.batch_size], labels[i:i + config.batch_size])
-                for i in range(0, len(val_rows), config.batch_size)]
+    rows = row_tensors(store, val_rows, config.seq_len, tokenizer.pad_id, config.document_mask)
+    held_out = [rows.rows(i, i + config.batch_size) for i in range(0, len(val_rows), config.batch_size)]
 
     first_epoch = loader.rows_of_epoch(0)
     stats.train_conversations, stats.val_conversations = len(train), len(val)

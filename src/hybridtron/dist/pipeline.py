@@ -17,12 +17,14 @@ The embeddings travel with the hidden state because the MTP block on the last st
 embedding at depth k). Under CP the first stage embeds the ids that follow each chunk as well (HybridLM's
 `following_ids`, PAST_END embedded as zeros), so the embeddings run `lookahead` positions past the hidden state.
 A step runs the step's `grad_accum` micro-batches through the schedule as its micro-batches (so grad_accum >= pp,
-the planner's rule), each described by a `MicroBatchInputs`: its ids and, for the RL learners, the experts to replay
-(routing replay) and the positions whose routing counts. Every stage's forward is told the index of its micro-batch
-(a keyword input, which the schedules hand to every stage), and so is the loss: the objective's loss runs on the last
-stage on the whole micro-batch the index names (rollout log-probs, advantages, teacher scores: whatever it reads),
-its metrics are broadcast from there, and each MoE layer's expert counts are summed over the micro-batches as the
-stages run them (a recomputed forward, under activation checkpointing, is not counted again).
+the planner's rule), each described by a `MicroBatchInputs`: its ids, with a document mask each position's document
+(`seq_idx`, which every layer and the MTP block read, as `HybridLM.forward` passes it) and, for the RL learners, the
+experts to replay (routing replay) and the positions whose routing counts. Every stage's forward is told the index
+of its micro-batch (a keyword input, which the schedules hand to every stage), and so is the loss: the objective's
+loss runs on the last stage on the whole micro-batch the index names (rollout log-probs, advantages, teacher scores:
+whatever it reads), its metrics are broadcast from there, and each MoE layer's expert counts are summed over the
+micro-batches as the stages run them (a recomputed forward, under activation checkpointing, is not counted again).
+The replay ids and the seq_idx stay with the Pipeline, by micro-batch index, as the schedule runs.
 """
 
 from __future__ import annotations
@@ -51,13 +53,16 @@ class MicroBatchInputs:
     input_ids [B, L + lookahead]: under CP a share's ids and the `lookahead` ids that follow it (the MTP depths read
     their embeddings); expert_ids {backbone router: [B, L, K]}: routing replay, or None; counted [B, L + lookahead]:
     the real positions, whose routing the expert counts include (`HybridLM.forward(counted=...)`; None: all; the RL
-    learners leave padding out); tokens: the micro-batch's token count for the step's throughput."""
+    learners leave padding out); tokens: the micro-batch's token count for the step's throughput; seq_idx [B, L]
+    (the lookahead not included): each position's document within its row (`HybridLM.forward(seq_idx=...)`), or
+    None for no document mask."""
 
     input_ids: torch.Tensor
     tokens: int
     lookahead: int = 0
     expert_ids: dict[str, torch.Tensor] | None = None
     counted: torch.Tensor | None = None
+    seq_idx: torch.Tensor | None = None
 
 
 class AbsentLayer(nn.Module):
@@ -107,9 +112,10 @@ class StageView(nn.Module):
         else:
             hidden = inputs[0]
             embeddings = inputs[1] if self.carries_embeddings else None
+        seq_idx = self.pipeline.documents(index)
         for layer_index, layer in zip(self.layer_indices, self.layers):
             name = str(layer_index)
-            hidden = layer(hidden, None, None, self.pipeline.replay(index, name))
+            hidden = layer(hidden, None, None, self.pipeline.replay(index, name), seq_idx=seq_idx)
             self.pipeline.count(index, [name])
         if not self.last:
             # a fresh view: a stage's outputs must not be its inputs themselves
@@ -120,7 +126,7 @@ class StageView(nn.Module):
             previous, length = hidden, embeddings.shape[1] - self.lookahead
             for depth in range(1, self.config.mtp_num_depths + 1):
                 ahead = embeddings[:, depth:depth + length]
-                previous = self.mtp(previous, F.pad(ahead, (0, 0, 0, length - ahead.shape[1])))
+                previous = self.mtp(previous, F.pad(ahead, (0, 0, 0, length - ahead.shape[1])), seq_idx=seq_idx)
                 self.pipeline.count(index, self.mtp_routers, depth)
                 outputs.append(self.lm_head(previous))
         return tuple(outputs)
@@ -151,6 +157,7 @@ class Pipeline:
         self._stages: dict[str, tuple[tuple, list[PipelineStage]]] = {}  # per use, the stages of its last shape
         self.routers = stage_model.routers()
         self.inputs: list[MicroBatchInputs] = []  # the running step's (replay ids, counted positions)
+        self.seq_idx: list[torch.Tensor | None] = []  # the running step's or evaluation's, per micro-batch
         self.counts: dict[str, torch.Tensor] = {}
         for view in views:
             view.pipeline = self
@@ -159,6 +166,10 @@ class Pipeline:
         """The experts backbone router `name` replays for micro-batch `index`, or None (no replay, or no router)."""
         expert_ids = self.inputs[index].expert_ids if index < len(self.inputs) else None
         return expert_ids.get(name) if expert_ids else None
+
+    def documents(self, index: int) -> torch.Tensor | None:
+        """Micro-batch `index`'s seq_idx [B, L] (each position's document), or None (no document mask)."""
+        return self.seq_idx[index] if index < len(self.seq_idx) else None
 
     def count(self, index: int, names: list[str], depth: int = 0) -> None:
         """Add the last routing of routers `names` (those this stage holds), over micro-batch `index`'s counted
@@ -230,10 +241,11 @@ class Pipeline:
         stages = self.stages("train", (rows, width - first.lookahead), first.lookahead)
         schedule = self._schedule(stages, len(micro_batches), loss_fn, self.schedule_name)
         self.inputs, self.counts = micro_batches, {}
+        self.seq_idx = [mb.seq_idx for mb in micro_batches]
         try:
             self._run(schedule, "step", torch.cat([mb.input_ids for mb in micro_batches]), len(micro_batches))
         finally:
-            self.inputs = []
+            self.inputs, self.seq_idx = [], []
         counts, self.counts = self.counts, {}
         return counts
 
@@ -245,9 +257,11 @@ class Pipeline:
         getattr(schedule, method)(*inputs, target=index if self.holds_loss else None, micro_batch=index, **options)
 
     @torch.no_grad()
-    def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, sum_over_shares=None) -> float:
+    def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, sum_over_shares=None,
+                seq_idx: torch.Tensor | None = None) -> float:
         """The next-token CE of one batch (no MTP), computed on the last stage and known to every rank. Under CP
-        (`sum_over_shares`: a sum over the cp group) the batch is a share: the CE over all the shares' targets."""
+        (`sum_over_shares`: a sum over the cp group) the batch is a share: the CE over all the shares' targets.
+        `seq_idx`: the batch's document indices (a document mask), or None."""
         def batch_loss(outputs, index):
             if sum_over_shares is None:
                 return cross_entropy(outputs[0], labels)
@@ -259,7 +273,11 @@ class Pipeline:
         # one micro-batch through every stage this rank holds (two under the interleaved schedule)
         schedule = ScheduleLoopedBFS(stages, 1, loss_fn=batch_loss) if len(stages) > 1 else \
             ScheduleGPipe(stages[0], 1, loss_fn=batch_loss)
-        self._run(schedule, "eval", input_ids, 1, losses=losses)
+        self.seq_idx = [seq_idx]
+        try:
+            self._run(schedule, "eval", input_ids, 1, losses=losses)
+        finally:
+            self.seq_idx = []
         value = float(losses[0]) if losses else None
         return self.parallel.broadcast_object(value, src=self.loss_rank)
 

@@ -5,7 +5,7 @@ Rows. The loader yields the global micro-batch on every rank (it is a pure funct
 global, so a checkpoint taken at one world size resumes at any other); each data-parallel rank takes its
 contiguous batch_size / dp rows. TP and PP peers of a rank read the same rows. Under context parallelism each cp
 rank of those rows takes its head and tail chunks of seq_len / (2 cp) positions, as two rows each
-(`context_parallel.shard_sequence`).
+(`context_parallel.shard_sequence`), their document indices (`seq_idx`) cut the same way (`share_of_batch`).
 
 Norms. A gradient is a DTensor sharded over some mesh dimensions and replicated over the rest (or over ranks
 outside its mesh). Each rank sums the squares of its local shard, divided by how many ranks of its pipeline stage
@@ -24,22 +24,35 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hybridtron.dist.context_parallel import shard_sequence
+from hybridtron.data.batch import TokenBatch, as_token_batch
+from hybridtron.dist.context_parallel import chunk_rows, shard_sequence
 from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.state import canonical_full_state, canonical_name
+
+
+def share_of_batch(batch: TokenBatch, rank: int, size: int, lookahead: int) -> TokenBatch:
+    """Context-parallel rank `rank` of `size`'s share of a `TokenBatch` [B, L]: its two chunks of each row as rows
+    [2B, L / (2 size)] (`context_parallel.shard_sequence`), the labels running `lookahead` positions past them and
+    the `lookahead` ids after them as `following_ids` (none with lookahead 0), seq_idx cut as the ids
+    (`chunk_rows`: each chunk keeps its positions' document indices, so its first position need not be 0)."""
+    input_ids, labels, following = shard_sequence(batch.input_ids, batch.labels, rank, size, lookahead)
+    seq_idx = None if batch.seq_idx is None else chunk_rows(batch.seq_idx, rank, size)
+    return TokenBatch(input_ids, labels, seq_idx, following if lookahead else None)
 
 
 class DataParallelBatches:
     """A batch source whose micro-batches are this rank's rows of the global ones (module docstring), and under
     context parallelism its chunks of their positions (two rows per row), with the `lookahead` (the model's MTP
-    depths) ids and labels after each. Its position is the wrapped source's, unchanged, so it is the same at every
-    world size."""
+    depths) ids and labels after each (`share_of_batch`). Its position is the wrapped source's, unchanged, so it
+    is the same at every world size."""
 
     def __init__(self, batches, parallel: Parallel, lookahead: int = 0):
         self.batches, self.parallel, self.lookahead = batches, parallel, lookahead
         self.rank, self.size = parallel.data_rank, parallel.layout.dp
 
     def shard(self, micro_batch):
+        if isinstance(micro_batch, TokenBatch):
+            return micro_batch.map(self.shard)
         if isinstance(micro_batch, torch.Tensor):
             rows = micro_batch.shape[0]
             if rows % self.size:
@@ -58,12 +71,13 @@ class DataParallelBatches:
             micro_batches = [self.share_of_sequence(micro_batch) for micro_batch in micro_batches]
         return micro_batches
 
-    def share_of_sequence(self, micro_batch):
-        if not (isinstance(micro_batch, (tuple, list)) and len(micro_batch) == 2
-                and all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in micro_batch)):
-            raise ValueError("context parallelism splits (input_ids [B, T], labels [B, T]) micro-batches; this batch "
-                             f"source yields {type(micro_batch).__name__}")
-        return shard_sequence(*micro_batch, self.parallel.coordinate("cp"), self.parallel.layout.cp, self.lookahead)
+    def share_of_sequence(self, micro_batch) -> TokenBatch:
+        try:
+            batch = as_token_batch(micro_batch)
+        except ValueError:
+            raise ValueError("context parallelism splits TokenBatch micro-batches (input_ids [B, T], labels [B, T]); "
+                             f"this batch source yields {type(micro_batch).__name__}") from None
+        return share_of_batch(batch, self.parallel.coordinate("cp"), self.parallel.layout.cp, self.lookahead)
 
     def sync_weights(self, model, version, total_steps):
         self.batches.sync_weights(model, version, total_steps)
@@ -75,15 +89,15 @@ class DataParallelBatches:
         self.batches.load_state_dict(state)
 
 
-def held_out_shares(batches: list, parallel: Parallel | None):
-    """(held-out (input_ids, labels) batches, a sum over the ranks that share them) for an evaluator: under context
-    parallelism each batch cut to this rank's chunks of its positions (no lookahead: evaluation scores the next
-    token only) and the cp group's sum, which puts a batch's CE sum and target count back together; otherwise the
-    batches unchanged and None."""
+def held_out_shares(batches: list[TokenBatch], parallel: Parallel | None):
+    """(held-out `TokenBatch`es, a sum over the ranks that share them) for an evaluator: under context parallelism
+    each batch cut to this rank's chunks of its positions (`share_of_batch` with no lookahead: evaluation scores
+    the next token only) and the cp group's sum, which puts a batch's CE sum and target count back together;
+    otherwise the batches unchanged and None."""
     if parallel is None or parallel.layout.cp == 1:
         return batches, None
     rank, size = parallel.coordinate("cp"), parallel.layout.cp
-    return [shard_sequence(ids, labels, rank, size, 0)[:2] for ids, labels in batches], parallel.sum_over_context
+    return [share_of_batch(as_token_batch(batch), rank, size, 0) for batch in batches], parallel.sum_over_context
 
 
 def step_metrics(parallel: Parallel, metrics: list[dict[str, torch.Tensor]], tokens: int

@@ -7,23 +7,23 @@ from __future__ import annotations
 
 import torch
 
+from hybridtron.data.batch import TokenBatch
 from hybridtron.data.chat import tokenize_chats
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.train.evaluate import held_out_ce
 
 
-def conversation_batches(tokenizer, conversations: list[dict], max_positions: int
-                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each conversation ({"messages": [...]}) as a one-row (input_ids, labels) batch, cut at `max_positions`: the
-    labels are the next tokens of the assistant's turns (reasoning included), IGNORE_INDEX elsewhere. A
-    conversation with nothing to score is left out."""
+def conversation_batches(tokenizer, conversations: list[dict], max_positions: int) -> list[TokenBatch]:
+    """Each conversation ({"messages": [...]}) as a one-row `TokenBatch` (alone in its row: no seq_idx needed), cut
+    at `max_positions`: the labels are the next tokens of the assistant's turns (reasoning included), IGNORE_INDEX
+    elsewhere. A conversation with nothing to score is left out."""
     batches = []
     for chat in tokenize_chats(tokenizer, [c["messages"] for c in conversations]):
         ids = torch.as_tensor(chat.ids[:max_positions], dtype=torch.long)
         trained = torch.as_tensor(chat.trained(train_on_thinking=True)[:max_positions])
         labels = torch.where(trained[1:], ids[1:], IGNORE_INDEX)
         if (labels != IGNORE_INDEX).any():
-            batches.append((ids[None, :-1], labels[None]))
+            batches.append(TokenBatch(ids[None, :-1], labels[None]))
     return batches
 
 

@@ -148,8 +148,9 @@ def flush_main_grads(model: nn.Module) -> None:
 
 
 # ----------------------------------------------------------------------------------------- measurement
-def record_output_wgrads(model: nn.Module, micro_batches: list[tuple[Tensor, Tensor]]) -> list[tuple[int, Tensor]]:
-    """Forward and backward each micro-batch (loss / M, as the trainer does); return lm_head's wgrad additions
+def record_output_wgrads(model: nn.Module, micro_batches: list) -> list[tuple[int, Tensor]]:
+    """Forward and backward each micro-batch (an (input_ids, labels) pair, or a `hybridtron.data.batch.TokenBatch`,
+    whose seq_idx goes to the model too; loss / M, as the trainer does); return lm_head's wgrad additions
     in the order backward made them: ``(application, fp32 tensor)``, 0 = the main head, k = MTP depth k.
 
     The model is left as it was (lm_head restored, gradients cleared)."""
@@ -160,9 +161,12 @@ def record_output_wgrads(model: nn.Module, micro_batches: list[tuple[Tensor, Ten
     head.recorder = []
     model.lm_head = head
     try:
-        for input_ids, labels in micro_batches:
+        for batch in micro_batches:  # TokenBatch is the data layer's, above this one: read by its fields
+            input_ids, labels = (batch.input_ids, batch.labels) if hasattr(batch, "labels") else batch
+            seq_idx = getattr(batch, "seq_idx", None)
             head.applications = 0
-            (model(input_ids, labels).loss / len(micro_batches)).backward()
+            masked = {} if seq_idx is None else {"seq_idx": seq_idx}
+            (model(input_ids, labels, **masked).loss / len(micro_batches)).backward()
         return head.recorder
     finally:
         model.lm_head = original

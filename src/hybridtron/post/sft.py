@@ -49,6 +49,7 @@ import torch
 
 from hybridtron.checkpoint import load_pretrained
 from hybridtron.config import ModelConfig
+from hybridtron.data.batch import as_token_batch
 from hybridtron.data.chat import load_chat_tokenizer
 from hybridtron.data.sft import SFTDataConfig, build_sft_data, conversations_from
 from hybridtron.dist.config import DistConfig
@@ -84,6 +85,7 @@ class SFTConfig:
     val_fraction: float = 0.05  # share of conversations held out (by a hash of their messages)
     val_batches: int | None = 8  # held-out batches evaluated; none = all
     pack_window: int = 64  # open rows that first-fit packing searches
+    document_mask: bool = True  # conversations sharing a row do not see each other (attention, Mamba scan)
     seed: int = 0  # epoch order, and the draw of env:NAME examples
     env_examples: int = 5000  # env:NAME: conversations drawn (training split of the environment)
     env_levels: tuple[int, ...] = ()  # env:NAME: difficulty levels; empty = the environment's default (all)
@@ -157,19 +159,20 @@ class SFTObjective:
         self.micro_batches = 1
 
     def begin_step(self, micro_batches):
-        counts = torch.stack([target_counts(labels_BT, self.mtp_depths, input_ids.shape[1])
-                              for input_ids, labels_BT, *_ in micro_batches]).sum(0)
+        counts = torch.stack([target_counts(batch.labels, self.mtp_depths, batch.input_ids.shape[1])
+                              for batch in map(as_token_batch, micro_batches)]).sum(0)
         if self.data_sum is not None:  # one all-reduce a step
             counts = self.data_sum(counts.double())
         self.counts = counts.tolist()
         self.micro_batches = len(micro_batches)
 
     def __call__(self, model, micro_batch):
-        input_ids, labels, *following = micro_batch  # under CP a share: its labels run on past its ids
-        ahead = {"following_ids": following[0]} if following else {}
-        out = model(input_ids, **ahead)  # logits, the MTP depths' logits, expert counts; the loss is ours
-        result = self.loss_from_outputs(model, (out.logits, *out.mtp_logits), micro_batch)
-        result.tokens, result.expert_counts = input_ids.numel(), router_counts(model, out)
+        batch = as_token_batch(micro_batch)  # under CP a share: its labels run on past its ids
+        # logits, the MTP depths' logits, expert counts (each conversation alone in its row under the document
+        # mask: seq_idx); the loss is ours
+        out = model(batch.input_ids, **batch.model_inputs())
+        result = self.loss_from_outputs(model, (out.logits, *out.mtp_logits), batch)
+        result.tokens, result.expert_counts = batch.input_ids.numel(), router_counts(model, out)
         return result
 
     stage_inputs = staticmethod(token_stage_inputs)  # under PP: what the stages read of a micro-batch
@@ -177,7 +180,7 @@ class SFTObjective:
     def loss_from_outputs(self, model, outputs, micro_batch):
         """The loss of one micro-batch from its logits, `outputs` = (logits, *each MTP depth's logits) (also what
         a pipeline's last stage calls; the expert counts are then the pipeline's to collect)."""
-        labels_BT = micro_batch[1]
+        labels_BT = as_token_batch(micro_batch).labels
         logits, *mtp_logits = outputs
         length = logits.shape[1]  # under CP `labels_BT` runs past the share (window_targets)
         targets = window_targets(labels_BT, 0, length)

@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from hybridtron.data.batch import as_token_batch
 from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum_and_count
 
 
@@ -39,9 +40,9 @@ class Evaluator:
 @torch.no_grad()
 def held_out_ce(model, batches, *, autocast=contextlib.nullcontext, pipeline=None, sum_over_shares=None,
                 device=None) -> list[tuple[float, float]]:
-    """(CE summed over the labelled next-token targets, their count) of each (input_ids, labels) batch, the MTP
-    depths apart; `model` is put in eval mode for the duration. `labels` are already shifted (labels[t] is what
-    position t predicts) and IGNORE_INDEX where nothing is scored.
+    """(CE summed over the labelled next-token targets, their count) of each batch (a `TokenBatch`: its seq_idx, if
+    any, goes to the model), the MTP depths apart; `model` is put in eval mode for the duration. `labels` are
+    already shifted (labels[t] is what position t predicts) and IGNORE_INDEX where nothing is scored.
 
     `pipeline` (pp > 1): the batch runs stage by stage and its mean comes back to every stage. `sum_over_shares`
     (context parallelism: each rank holds a share of every batch's positions): sums a tensor over the ranks sharing
@@ -50,16 +51,18 @@ def held_out_ce(model, batches, *, autocast=contextlib.nullcontext, pipeline=Non
     model.eval()
     share_sum = sum_over_shares or (lambda tensor: tensor)
     results = []
-    for input_ids, labels in batches:
+    for batch in map(as_token_batch, batches):
         if device is not None:
-            input_ids, labels = input_ids.to(device), labels.to(device)
+            batch = batch.to(device)
+        labels = batch.labels
         with autocast():
             if pipeline is not None:  # the mean over the batch (all its shares), known to every stage
                 count = float(share_sum((labels != IGNORE_INDEX).sum().double()))
-                results.append((pipeline.lm_loss(input_ids, labels, sum_over_shares) * count, count))
+                ce = pipeline.lm_loss(batch.input_ids, labels, sum_over_shares, seq_idx=batch.seq_idx)
+                results.append((ce * count, count))
             else:
-                ce_sum, count = share_sum(cross_entropy_sum_and_count(model(input_ids, mtp=False).logits,
-                                                                      labels)).tolist()
+                logits = model(batch.input_ids, mtp=False, **batch.model_inputs()).logits
+                ce_sum, count = share_sum(cross_entropy_sum_and_count(logits, labels)).tolist()
                 results.append((ce_sum, count))
     model.train(was_training)
     return results

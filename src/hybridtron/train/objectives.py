@@ -14,7 +14,9 @@ A batch source hands the trainer one step's micro-batches at a time and has a `s
 a resumed run reads exactly the batches it would have read, and a rollback can skip a window of them.
 
 Pretraining (`PretrainObjective`, `LoaderBatches`): loss = CE + mtp_loss_weight x mean over the MTP depths of
-their CE (hybridtron.model.lm), on packed rows of the data mixture.
+their CE (hybridtron.model.lm), on packed rows of the data mixture. Its micro-batches, and SFT's, are
+`TokenBatch`es (hybridtron.data.batch): ids, labels and, with a document mask, seq_idx, which the objective hands
+the model with the ids (and, under PP, the stages: `token_stage_inputs`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
+from hybridtron.data.batch import TokenBatch, as_token_batch
 from hybridtron.dist.pipeline import MicroBatchInputs
 from hybridtron.model.lm import cross_entropy, mtp_targets
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
@@ -95,12 +98,13 @@ def target_counts(labels_BT: torch.Tensor, depths: int, length: int | None = Non
     return torch.stack([(window_targets(labels_BT, d, length) != IGNORE_INDEX).sum() for d in range(depths + 1)])
 
 
-def token_stage_inputs(micro_batch) -> MicroBatchInputs:
-    """What a pipeline's stages read of an (input_ids, labels[, following_ids]) micro-batch: the ids, under CP with
-    the ids that follow the share (the MTP depths embed them); its tokens are the share's positions."""
-    input_ids, _, *following = micro_batch
-    return MicroBatchInputs(torch.cat([input_ids, *following], dim=1), tokens=input_ids.numel(),
-                            lookahead=following[0].shape[1] if following else 0)
+def token_stage_inputs(micro_batch: TokenBatch) -> MicroBatchInputs:
+    """What a pipeline's stages read of a `TokenBatch`: the ids, under CP with the ids that follow the share (the
+    MTP depths embed them), and its seq_idx; its tokens are the share's positions."""
+    batch = as_token_batch(micro_batch)
+    following = [] if batch.following_ids is None else [batch.following_ids]
+    return MicroBatchInputs(torch.cat([batch.input_ids, *following], dim=1), tokens=batch.input_ids.numel(),
+                            lookahead=following[0].shape[1] if following else 0, seq_idx=batch.seq_idx)
 
 
 def local_head_weight(model) -> torch.Tensor | None:
@@ -120,11 +124,12 @@ class PretrainObjective:
     (`linear_cross_entropy`: no [tokens, vocab] logits); otherwise it takes the model's logits. `data_sum` (data
     parallelism: sums a tensor over the data-parallel ranks in place) and `mtp_depths` (the model's): each rank's
     CE means are weighted by its share of the micro-batch's valid targets, depth by depth, so the shares sum to the
-    single-process means of the whole micro-batch. A micro-batch is (input ids, labels), or under context
-    parallelism a share of one (`dist.context_parallel.shard_sequence`: its labels run on past its ids, and the ids
-    that follow it come third, for MTP). `compile_loss` (`train.compile`): the cross entropy over the logits runs
-    compiled (the per-block softmax and its gradient fused into one loop; the fused lm_head loss stays eager).
-    `fused_head=False`: always through the logits (bench/compile.py compares the two)."""
+    single-process means of the whole micro-batch. A micro-batch is a `TokenBatch`, under context parallelism a
+    share of one (`dist.step.share_of_batch`: its labels run on past its ids, and `following_ids`, the ids that
+    follow it, feed MTP); its seq_idx, where it has one, goes to the model with its ids. `compile_loss`
+    (`train.compile`): the cross entropy over the logits runs compiled (the per-block softmax and its gradient fused
+    into one loop; the fused lm_head loss stays eager). `fused_head=False`: always through the logits
+    (bench/compile.py compares the two)."""
 
     headline = ("lm_loss", "ce")
 
@@ -138,25 +143,24 @@ class PretrainObjective:
     def begin_step(self, micro_batches):
         self.micro_batches = len(micro_batches)
         if self.data_sum is not None:  # one all-reduce per step: every micro-batch's valid targets, per depth
-            counts = torch.stack([target_counts(labels, self.mtp_depths, input_ids.shape[1])
-                                  for input_ids, labels, *_ in micro_batches])
+            counts = torch.stack([target_counts(batch.labels, self.mtp_depths, batch.input_ids.shape[1])
+                                  for batch in map(as_token_batch, micro_batches)])
             self.global_counts = list(self.data_sum(counts.double()).unbind(0))
 
     def __call__(self, model, micro_batch):
-        input_ids, labels, *following = micro_batch
-        ahead = {"following_ids": following[0]} if following else {}
+        batch = as_token_batch(micro_batch)
         weight = local_head_weight(model) if self.fused_head else None
         if weight is None:
-            out = model(input_ids, **ahead)
-            return self.loss_from_outputs(model, (out.logits, *out.mtp_logits), micro_batch,
-                                          router_counts(model, out))
-        out = model(input_ids, logits=False, **ahead)
+            out = model(batch.input_ids, **batch.model_inputs())
+            return self.loss_from_outputs(model, (out.logits, *out.mtp_logits), batch, router_counts(model, out))
+        out = model(batch.input_ids, logits=False, **batch.model_inputs())
         lm_loss, *mtp_losses = [
             linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX)
-            for hidden, targets in self._targets([out.hidden, *out.mtp_hidden], labels)]
-        loss, metrics, depth_losses = self._combine(model, lm_loss, mtp_losses, labels, input_ids.shape[1])
-        return ObjectiveOutput(loss / self.micro_batches, metrics, input_ids.numel(), router_counts(model, out),
-                               depth_losses)
+            for hidden, targets in self._targets([out.hidden, *out.mtp_hidden], batch.labels)]
+        loss, metrics, depth_losses = self._combine(model, lm_loss, mtp_losses, batch.labels,
+                                                    batch.input_ids.shape[1])
+        return ObjectiveOutput(loss / self.micro_batches, metrics, batch.input_ids.numel(),
+                               router_counts(model, out), depth_losses)
 
     stage_inputs = staticmethod(token_stage_inputs)  # under PP: what the stages read
 
@@ -164,7 +168,7 @@ class PretrainObjective:
         """One micro-batch's loss from its logits, `outputs` = (logits, *each MTP depth's logits), as a pipeline's
         last stage computes them: the loss `HybridLM.forward` computes, shared out as `__call__` does. Under a
         pipeline the expert counts are the pipeline's to collect."""
-        labels = micro_batch[1]
+        labels = as_token_batch(micro_batch).labels
         lm_loss, *mtp_losses = [self.cross_entropy(logits, targets)
                                 for logits, targets in self._targets(outputs, labels)]
         loss, metrics, depth_losses = self._combine(model, lm_loss, mtp_losses, labels, outputs[0].shape[1])
@@ -190,7 +194,7 @@ class PretrainObjective:
 
 
 class LoaderBatches(BatchSource):
-    """`grad_accum` micro-batches per step from a resumable loader of (input_ids, labels) pairs."""
+    """`grad_accum` micro-batches per step from a resumable loader of `TokenBatch`es."""
 
     def __init__(self, loader, grad_accum: int):
         self.loader, self.grad_accum = loader, grad_accum

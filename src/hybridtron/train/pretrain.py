@@ -60,8 +60,7 @@ def build_pretraining(config: RunConfig, out: Path, checkpoints, *, quiet: bool,
     # under torchrun every rank builds the model on the meta device and `parallelize` fills in its own shards
     # (hybridtron.dist.materialize): no rank holds the whole model, and every layout starts from these weights
     model = HybridLM(model_config) if parallel is None else HybridLM.on_meta(model_config)
-    val_batches = data.val_batches if parallel is None else \
-        [(ids.to(parallel.device), labels.to(parallel.device)) for ids, labels in data.val_batches]
+    val_batches = data.val_batches if parallel is None else [batch.to(parallel.device) for batch in data.val_batches]
     val_batches, sum_over_shares = held_out_shares(val_batches, parallel)  # under CP: this rank's shares
     objective = PretrainObjective(compile_loss=train.compile) if parallel is None else PretrainObjective(
         parallel.sum_over_data, model_config.mtp_depths, train.compile)

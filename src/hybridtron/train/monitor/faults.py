@@ -17,8 +17,11 @@ set of faults fired).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from hybridtron.data.batch import as_token_batch
 from hybridtron.train.hooks import Hook
 from hybridtron.train.monitor.config import MonitorConfig, parse_faults
 
@@ -90,7 +93,8 @@ class FaultInjector(Hook):
 
 
 class CorruptingBatches:
-    """A batch source of (input_ids, labels) micro-batches whose corrupt_batch steps come back as garbage."""
+    """A batch source of `TokenBatch` micro-batches whose corrupt_batch steps come back as garbage (the ids and
+    labels replaced; the rest, seq_idx among it, kept)."""
 
     def __init__(self, batches, injector: FaultInjector, vocab_size: int):
         self.batches, self.injector, self.vocab_size = batches, injector, vocab_size
@@ -102,8 +106,10 @@ class CorruptingBatches:
             return micro_batches
         self.injector.fire("corrupt_batch", step)
         generator = torch.Generator().manual_seed(1234)
-        return [(torch.randint(0, self.vocab_size, ids.shape, generator=generator).to(ids.device),
-                 torch.full_like(labels, self.vocab_size - 1)) for ids, labels in micro_batches]
+        return [replace(batch, input_ids=torch.randint(0, self.vocab_size, batch.input_ids.shape,
+                                                       generator=generator).to(batch.input_ids.device),
+                        labels=torch.full_like(batch.labels, self.vocab_size - 1))
+                for batch in map(as_token_batch, micro_batches)]
 
     def sync_weights(self, model, version: int, total_steps: int) -> None:
         self.batches.sync_weights(model, version, total_steps)
