@@ -20,6 +20,7 @@ torch.set_num_threads(1)
 MULTI_PROCESS_MODULES = {
     "tests/dist/test_dist_checkpoints.py", "tests/dist/test_dist_rl.py", "tests/dist/test_dist_sft.py",
     "tests/dist/test_parallel_layouts.py", "tests/dist/test_ring_attention.py", "tests/dist/test_document_mask_cp.py",
+    "tests/dist/test_document_mask_layouts.py",
     "tests/post/test_grpo.py", "tests/post/test_mopd.py", "tests/post/test_roles.py",
 }
 

@@ -115,10 +115,19 @@ def test_buckets_and_counts_over_deterministic_windows(model, tokenizer, documen
     assert not torch.equal(DocumentWindows(documents, tokenizer, seed=1).windows(64, 3, 512), windows)
 
 
-def test_fewer_windows_when_fewer_documents_are_long_enough(model, tokenizer, documents):
-    result = loss_by_position(model, tokenizer, [32], documents=documents, source="test docs", windows=50)
-    assert result.lengths[0].windows == 8  # the eight long documents; the short ones never fill 33 tokens
-    assert result.lengths[0].tokens[-1] == 8 * 16
+def test_fewer_long_documents_than_windows_give_their_later_windows_too(model, tokenizer, documents):
+    drawn = DocumentWindows(documents, tokenizer, seed=0)
+    firsts = drawn.windows(32, 8, 512)  # the eight long documents' starts; the short ones never fill 33 tokens
+    assert (firsts[:, 0] == tokenizer.bos_id).all()
+    more = drawn.windows(32, 1000, 512)
+    assert torch.equal(more[:8], firsts)
+    lengths = {i: len(drawn.tokens[i]) for i in drawn.tokens if len(drawn.tokens[i]) >= 33}
+    # then each document's next windows, consecutive: tokens 32 .. 64, 64 .. 96, ... while they last
+    assert len(more) == sum((n - 1) // 32 for n in lengths.values())
+    second = drawn.tokens[next(iter(lengths))][32:65]
+    assert any(torch.equal(window, torch.from_numpy(second).long()) for window in more[8:])
+    result = loss_by_position(model, tokenizer, [32], documents=documents, source="test docs", windows=1000)
+    assert result.lengths[0].windows == len(more) and result.lengths[0].tokens[-1] == len(more) * 16
 
 
 def test_a_data_source_is_read_with_its_long_documents_whole(model, tokenizer, tmp_path):

@@ -13,13 +13,13 @@ import pytest
 
 from hybridtron.data.stdlib import stdlib_files
 from hybridtron.data.tokenizer import Tokenizer
+from hybridtron.eval.positions import parse_lengths
 from hybridtron.eval.ruler import (
     SIZE_SLACK,
     TASKS,
     Haystack,
     check_length,
     generate_sample,
-    parse_lengths,
     plot_ruler,
     prompt_ids,
     run_ruler,

@@ -55,14 +55,21 @@ def model_config_of(source: Path, config: str | None) -> ModelConfig:
     return ModelConfig.from_hf(raw["model"] if "model" in raw and "train" in raw else raw)
 
 
-def dcp_to_hf(source: Path, target: Path, config: str | None = None) -> None:
-    model = HybridLM(model_config_of(source, config), init=False)
+def load_dcp_model(source: Path, config: str | ModelConfig | None = None) -> HybridLM:
+    """The model of the DCP checkpoint `source`, whole in this process (fp32, as trained); `config`: its
+    ModelConfig, or where to read it (`model_config_of`)."""
+    model_config = config if isinstance(config, ModelConfig) else model_config_of(source, config)
+    model = HybridLM(model_config, init=False)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that it runs in one process: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(source))
     model.load_state_dict(state["model"])
-    save_pretrained(model, target)
+    return model
+
+
+def dcp_to_hf(source: Path, target: Path, config: str | None = None) -> None:
+    save_pretrained(load_dcp_model(source, config), target)
     tokenizer = source if (source / "tokenizer.json").is_file() else tokenizer_dir_of(source.parent.parent)
     if tokenizer is None:
         print(f"convert: no tokenizer found for {source} (no {source.parent.parent / 'hf'} with tokenizer.json, no "

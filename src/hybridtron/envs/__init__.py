@@ -10,10 +10,10 @@ Write your own: subclass `Environment`, implement `generate(rng) -> Task` (or `t
 decorate it with `@register("name")`.
 """
 
-from hybridtron.envs.base import (SPLITS, Environment, Task, assistant_turn, env_names, get_env, register,
-                                       split_of, write_jsonl)
+from hybridtron.envs.base import (ENV_PREFIX, SPLITS, Environment, Task, assistant_turn, env_names, env_sft_examples,
+                                  get_env, register, split_of, write_jsonl)
 from hybridtron.envs.code import CodeEnv
 from hybridtron.envs.math import MathEnv
 
-__all__ = ["SPLITS", "CodeEnv", "Environment", "MathEnv", "Task", "assistant_turn", "env_names", "get_env",
-           "register", "split_of", "write_jsonl"]
+__all__ = ["ENV_PREFIX", "SPLITS", "CodeEnv", "Environment", "MathEnv", "Task", "assistant_turn", "env_names",
+           "env_sft_examples", "get_env", "register", "split_of", "write_jsonl"]

@@ -171,6 +171,25 @@ def register(name: str, factory: Callable[..., Environment] | None = None):
     return add if factory is None else add(factory)
 
 
+ENV_PREFIX = "env:"  # a data source naming an environment: `env:math` is its worked solutions as SFT conversations
+
+
+def env_sft_examples(source: str, n: int, seed: int = 0, levels: Sequence[int] = ()) -> list[dict]:
+    """The SFT examples of the data source `env:NAME`: `n` training-split conversations drawn with `seed`, of
+    `levels` where given (an environment that takes levels). A bad name or levels is a ValueError naming `source`."""
+    name = source.removeprefix(ENV_PREFIX)
+    options = {"levels": tuple(levels)} if levels else {}
+    try:
+        env = get_env(name, **options)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    except TypeError as exc:  # the environment's constructor takes no levels
+        raise ValueError(f"{source}: levels {list(levels)} given, but environment {name!r} takes no levels "
+                         f"({exc})") from None
+    with env:
+        return env.sft_examples(n, seed)
+
+
 def env_names() -> list[str]:
     return sorted(_REGISTRY)
 

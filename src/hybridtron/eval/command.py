@@ -1,10 +1,16 @@
-"""`hybridtron eval`: a checkpoint's pass@k on the held-out (test-split) tasks of one or more environments.
+"""`hybridtron eval`: a checkpoint measured four ways, each a subcommand.
 
-    hybridtron eval --model runs/pipe/rlvr/hf --env math --levels 1,2 --tasks 200
-    hybridtron eval --model DIR --env math,code --tasks 50 --samples 8 --temperature 1.0 --json result.json
+    hybridtron eval tasks --model runs/pipe/rlvr/hf --env math --levels 1,2 --tasks 200
+    hybridtron eval loss  --model runs/long/hf --lengths 256,1k,2k --out runs/long/eval
+    hybridtron eval ruler --model runs/long/hf --lengths 256,1k,2k --samples 10 --out runs/long/eval
+    hybridtron eval harness --model runs/long/hf --tasks TASK [--include-path DIR] [--limit N]
 
-Greedy decoding (one sample a task) by default, so pass@1 is one deterministic number per checkpoint; with
-`--samples n` and a temperature, pass@k for k = 1, 2, 4, ... n (hybridtron.eval.tasks).
+`tasks`: pass@1 (pass@k with samples) on the held-out tasks of the environments (hybridtron.eval.tasks). `loss`: the
+held-out next-token loss by position bucket on long documents, the standard long-context signal (does the loss keep
+falling past the training length? hybridtron.eval.positions). `ruler`: RULER's synthetic tasks at each length,
+scored as RULER scores them (hybridtron.eval.ruler). `harness`: lm-evaluation-harness with hybridtron's engine as
+its model `hybridtron` (hybridtron.eval.lm_eval_adapter; the optional `eval` extra). Every subcommand reads any
+`nemotron_h` checkpoint with its tokenizer (ours or one transformers wrote), or a run directory's `hf/` export.
 """
 
 from __future__ import annotations
@@ -16,14 +22,47 @@ from pathlib import Path
 import torch
 
 from hybridtron.checkpoint import load_pretrained
+from hybridtron.config import ModelConfig
+from hybridtron.data.build import split_validation
 from hybridtron.data.chat import load_chat_tokenizer
 from hybridtron.envs import get_env
+from hybridtron.eval.positions import (DEFAULT_SOURCE, check_length, load_model_and_tokenizer, loss_by_position,
+                                       parse_lengths, plot_position_loss, source_documents)
+from hybridtron.eval.ruler import TASKS, Haystack, plot_ruler, run_ruler, task_spec
 from hybridtron.eval.tasks import evaluate_env
+from hybridtron.infer.engine import load_engine, resolve_checkpoint_dir
+from hybridtron.infer.memory import human_bytes, slot_bytes
+from hybridtron.train.long_context import PHASE_DATA
+from hybridtron.train.preflight import available_memory
 
 THINKING = {"auto": None, "on": True, "off": False}
+# the share of a source's origins held out by default: the long-context phase's data.val_fraction, so that `eval
+# loss` reads documents the phase never trained on
+HELD_OUT = PHASE_DATA.val_fraction
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="eval_command", metavar="SUBCOMMAND", required=True)
+    add_tasks_arguments(sub.add_parser("tasks", help="pass@k on the held-out tasks of environments (math, code)",
+                                       description="pass@1 (pass@k with --samples) on environments' test splits"))
+    add_loss_arguments(sub.add_parser("loss", help="held-out loss by position bucket on long documents",
+                                      description="held-out next-token loss by position bucket at each length"))
+    add_ruler_arguments(sub.add_parser("ruler", help="RULER's synthetic long-context tasks, scored as RULER",
+                                       description="RULER-style tasks (needles, variable tracking, common and "
+                                                   "frequent words) at each length"))
+    add_harness_arguments(sub.add_parser(
+        "harness", help="lm-evaluation-harness tasks with hybridtron's engine as the model",
+        description="lm-evaluation-harness (the optional `eval` extra: pip install -e .[eval]) on a checkpoint; "
+                    "every lm_eval option: python -m hybridtron.eval.lm_eval_adapter --model hybridtron ..."))
+
+
+def run(args) -> int:
+    return {"tasks": run_tasks, "loss": run_loss, "ruler": run_ruler_command, "harness": run_harness}[
+        args.eval_command](args)
+
+
+# -------------------------------------------------------------------------------------------------- tasks
+def add_tasks_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="an HF checkpoint directory with its tokenizer files and chat "
                                                        "template (required)")
     parser.add_argument("--env", default="math", help="environments, comma-separated: math, code (default: math)")
@@ -43,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "file (default: none)")
 
 
-def run(args) -> int:
+def run_tasks(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     levels = {"levels": tuple(int(v) for v in args.levels.split(","))} if args.levels else {}
@@ -60,4 +99,139 @@ def run(args) -> int:
         results[name] = result.to_dict(samples=5)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "levels": args.levels, **results}, indent=2))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------- loss
+def add_loss_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a checkpoint directory with its tokenizer.json, or a run "
+                                                       "directory with an hf/ export (required)")
+    parser.add_argument("--lengths", required=True, help="window lengths in tokens, e.g. 256,1k,2k (k = 1024) "
+                                                         "(required)")
+    parser.add_argument("--data", default=DEFAULT_SOURCE,
+                        help=f"the documents: stdlib-repos (each stdlib package one long document), stdlib, a .jsonl "
+                             f"or .parquet file (a `text` field) or a directory of text files (default: "
+                             f"{DEFAULT_SOURCE})")
+    parser.add_argument("--held-out", type=float, default=HELD_OUT,
+                        help=f"read only the documents a training run with data.val_fraction = this holds out (the "
+                             f"same hash of their origins), 0 = every document (default: {HELD_OUT}, the "
+                             f"long-context phase's)")
+    parser.add_argument("--windows", type=int, default=16, help="windows per length, at most: one per document long "
+                                                                "enough (default: 16)")
+    parser.add_argument("--bucket-width", type=int, help="position buckets of this many tokens (default: powers of "
+                                                         "two)")
+    parser.add_argument("--training-length", type=int, help="mark this length on the plot (the model's training "
+                                                            "length)")
+    parser.add_argument("--seed", type=int, default=0, help="the order documents are drawn in (default: 0)")
+    parser.add_argument("--out", help="write loss_by_position.json and .png here (default: print the table only)")
+
+
+def run_loss(args) -> int:
+    model, tokenizer = load_model_and_tokenizer(args.model)
+    lengths = parse_lengths(args.lengths)
+    for length in lengths:  # before the documents load
+        check_length(model, length)
+    documents = source_documents(args.data)
+    if args.held_out:
+        if not 0 < args.held_out < 1:
+            raise ValueError(f"--held-out: expected a fraction in (0, 1) or 0, got {args.held_out}")
+        documents = [documents[i] for i in split_validation(documents, args.held_out)[1]]
+        if not documents:
+            raise ValueError(f"--data {args.data}: --held-out {args.held_out} holds out none of its documents; raise "
+                             f"it, or give --held-out 0 to read them all")
+    result = loss_by_position(model, tokenizer, lengths, documents=documents, source=args.data,
+                              windows=args.windows, bucket_width=args.bucket_width, seed=args.seed)
+    print(result.format_table())
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        report = {"model": args.model, "held_out": args.held_out, **result.to_dict()}
+        (out / "loss_by_position.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot_position_loss(result, out / "loss_by_position.png", training_length=args.training_length)
+        print(f"written: {out / 'loss_by_position.json'}, {out / 'loss_by_position.png'}")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- ruler
+def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a checkpoint directory with its tokenizer.json, or a run "
+                                                       "directory with an hf/ export (required)")
+    parser.add_argument("--lengths", required=True, help="context lengths in tokens (prompt + answer), e.g. "
+                                                         "1k,4k,16k (required)")
+    parser.add_argument("--tasks", default=",".join(TASKS),
+                        help=f"tasks, comma-separated (default: all of RULER's synthetic ones: {', '.join(TASKS)})")
+    parser.add_argument("--samples", type=int, default=10, help="prompts per task and length (default: 10)")
+    parser.add_argument("--batch-size", type=int, default=4, help="prompts decoded together (default: 4)")
+    parser.add_argument("--seed", type=int, default=0, help="the samples' seed (default: 0)")
+    parser.add_argument("--speculative", action="store_true", help="decode with the MTP drafter (the same greedy "
+                                                                   "text; default: plain decoding)")
+    parser.add_argument("--out", help="write ruler.json and ruler.png here (default: print the table only)")
+
+
+def check_ruler_memory(config, context: int, slots: int) -> None:
+    """The engine's cache for `slots` sequences of `context` tokens, against the memory this machine has: one line
+    with the estimate when it does not fit."""
+    needed = slot_bytes(config, context) * (slots + 1)  # one more row stages the prefills
+    available = available_memory(torch.device("cpu"))
+    if available is not None and needed > available:
+        raise ValueError(f"--lengths {context:,} with --batch-size {slots}: the KV cache and Mamba state need about "
+                         f"{human_bytes(needed)} (hybridtron memory), but {human_bytes(available)} is available; "
+                         f"ask for shorter lengths or a smaller --batch-size")
+
+
+def run_ruler_command(args) -> int:
+    lengths = parse_lengths(args.lengths)
+    tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    for task in tasks:
+        task_spec(task)  # an unknown task: one line naming the known ones
+    if args.samples < 1 or args.batch_size < 1:
+        raise ValueError(f"--samples and --batch-size: expected positive integers, got {args.samples}, "
+                         f"{args.batch_size}")
+    config = ModelConfig.from_hf(resolve_checkpoint_dir(args.model)[0])
+    for length in lengths:
+        if length > config.max_position_embeddings:
+            raise ValueError(f"--lengths {length:,}: beyond the model's max_position_embeddings "
+                             f"({config.max_position_embeddings:,}); ask for at most that")
+    check_ruler_memory(config, max(lengths), args.batch_size)
+    engine = load_engine(args.model, speculative=args.speculative, max_slots=args.batch_size,
+                         max_context=max(lengths))
+    haystack = Haystack.stdlib() if any(task_spec(task).haystack == "text" for task in tasks) else None
+    result = run_ruler(engine, tasks, lengths, samples=args.samples, seed=args.seed, haystack=haystack)
+    print(result.table())
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ruler.json").write_text(json.dumps({"model": args.model, **result.to_dict()}, indent=2) + "\n")
+        plot_ruler(result, out / "ruler.png")
+        print(f"written: {out / 'ruler.json'}, {out / 'ruler.png'}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ harness
+def add_harness_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="a checkpoint directory with its tokenizer.json, or a run "
+                                                       "directory with an hf/ export (required)")
+    parser.add_argument("--tasks", required=True, help="lm_eval task names or YAML files, comma-separated (required)")
+    parser.add_argument("--include-path", help="a directory of your own task YAMLs (default: none)")
+    parser.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's)")
+    parser.add_argument("--limit", type=float, help="examples per task, or a fraction of them (default: all)")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests scored or decoded together (default: 8)")
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default: cpu)")
+    parser.add_argument("--output-path", help="lm_eval's results directory (default: none)")
+
+
+def run_harness(args) -> int:
+    try:
+        from hybridtron.eval import lm_eval_adapter  # the optional `eval` extra: lm_eval
+    except ModuleNotFoundError as exc:
+        raise ValueError(f"eval harness needs lm-evaluation-harness ({exc}); install it with "
+                         f"`pip install -e .[eval]`") from None
+    options = {"--include_path": args.include_path, "--num_fewshot": args.num_fewshot, "--limit": args.limit,
+               "--output_path": args.output_path}
+    argv = ["--model", lm_eval_adapter.MODEL_NAME, "--model_args", f"pretrained={args.model}", "--tasks", args.tasks,
+            "--batch_size", str(args.batch_size), "--device", args.device]
+    for flag, value in options.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    lm_eval_adapter.main(argv)
     return 0

@@ -26,9 +26,12 @@ each package's files stitched into one document), else any data source `hybridtr
 reads (.jsonl, .parquet, a directory of text files). A document is read whole up to `MAX_DOCUMENT_CHARS`. The
 default documents are the long-context phase's own training data and overlap pretraining's `stdlib` files, so on
 a model trained on them this is a loss on seen text; for a strictly held-out number pass documents the model never
-saw (`source=` a file or directory). The windows of every length start at the same documents' starts (those long
-enough): the model is causal (position t reads only the t + 1 tokens before it), so on the documents they share a
-shorter length's curve is the start of a longer one's, and the shorter lengths average over more documents.
+saw (`source=` a file or directory; `hybridtron eval loss --held-out` keeps the documents a run holds out). The
+windows of every length start at the same documents' starts (those long enough): the model is causal (position t
+reads only the t + 1 tokens before it), so on the documents they share a shorter length's curve is the start of a
+longer one's, and the shorter lengths average over more documents. Fewer long documents than windows asked: their
+later windows too, consecutive and non-overlapping (position t of such a window has t + 1 tokens of context, as in
+a first window; only its first token is not a bos).
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ MEMORY_MARGIN = 2.0
 
 # ------------------------------------------------------------------------------------------------- lengths
 def parse_lengths(text: str) -> list[int]:
-    """'1k,4k,16k' -> [1024, 4096, 16384] (k = 1024, m = 1024^2; plain integers too), in the order given."""
+    """'1k,4k,16k' -> [1024, 4096, 16384] (k = 1024, m = 1024^2, as RULER's lengths; plain integers too), in the
+    order given."""
     lengths = []
     for item in (part.strip().lower() for part in text.split(",")):
         multiplier = LENGTH_SUFFIXES.get(item[-1:], 1)
@@ -182,8 +186,11 @@ class DocumentWindows:
         self.tokens: dict[int, np.ndarray] = {}
 
     def windows(self, length: int, count: int, vocab_size: int) -> torch.Tensor:
-        """[n, length + 1] token ids, n <= count windows (fewer when fewer documents are long enough); ValueError
-        naming the source when none is, or when a document holds a token the model does not have."""
+        """[n, length + 1] token ids, n <= count windows: each document's first L + 1 tokens (from its bos), in the
+        drawn order; when the documents long enough are fewer than `count`, their next windows (tokens L .. 2L,
+        then 2L .. 3L, ...: mid-document, where position t has seen the window's t + 1 tokens) round after round
+        until `count` or the documents run out. ValueError naming the source when none is long enough, or when a
+        document holds a token the model does not have."""
         found, tokenized = [], 0
         candidates = [i for i, size in enumerate(self.text_bytes) if size * MAX_TOKENS_PER_BYTE + 2 >= length + 1]
         for start in range(0, len(candidates), count):
@@ -196,6 +203,13 @@ class DocumentWindows:
                     found.append(self.tokens[index][:length + 1])
             if len(found) == count:
                 break
+        long_enough = [i for i in candidates if i in self.tokens and len(self.tokens[i]) >= length + 1]
+        offset = length
+        while len(found) < count and any(len(self.tokens[i]) >= offset + length + 1 for i in long_enough):
+            for index in long_enough:
+                if len(self.tokens[index]) >= offset + length + 1 and len(found) < count:
+                    found.append(self.tokens[index][offset:offset + length + 1])
+            offset += length
         if not found:
             longest = max((len(self.tokens[i]) for i in candidates), default=0)
             detail = (f"the longest of the {tokenized} long enough to try has {longest:,} tokens" if tokenized else

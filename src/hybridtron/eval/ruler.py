@@ -100,22 +100,7 @@ WORD = re.compile(r"\b[a-z]{4,10}\b")  # cwe's pool: lowercase words of the hays
 TEXT_UNIT = re.compile(r"\s*\S+")  # a word of real text with the whitespace before it: units join back to the text
 CWE_COMMON = 10
 FWE_ALPHA_ZETA = math.pi ** 2 / 6  # zeta(2): fwe's Zipf counts with alpha 2 sum to the words drawn
-LENGTH_SUFFIXES = {"k": 1024, "m": 1024 ** 2}
 SIZE_SLACK = 0.001  # a prompt may fall short of its target by this share (or by less than one haystack unit)
-
-
-def parse_lengths(text: str) -> list[int]:
-    """"1k,4k,16k" -> [1024, 4096, 16384] (k = 1024, m = 1024^2, as RULER's lengths)."""
-    lengths = []
-    for item in (part.strip().lower() for part in text.split(",") if part.strip()):
-        scale = LENGTH_SUFFIXES.get(item[-1], 1)
-        digits = item[:-1] if item[-1] in LENGTH_SUFFIXES else item
-        if not digits.isdigit() or int(digits) == 0:
-            raise ValueError(f"lengths: {item!r} is not a length; expected e.g. 1k,4k,16k or 4096")
-        lengths.append(int(digits) * scale)
-    if not lengths:
-        raise ValueError("lengths: none given; expected e.g. 1k,4k,16k")
-    return lengths
 
 
 def task_spec(task: str) -> TaskSpec:
@@ -281,7 +266,8 @@ def vt_layout(rng: random.Random, target: int, hops: int = 4) -> Layout:
     def chain() -> tuple[list[str], list[str], str]:
         names = distinct(rng, "letters", hops + 1)
         value = str(rng.randint(10000, 99999))
-        return names, [f"VAR {names[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in itertools.pairwise(names)], value
+        chain = [f"VAR {names[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in itertools.pairwise(names)]
+        return names, chain, value
 
     def head_tail(value: str) -> tuple[str, str]:
         return ("Memorize and track the chain of variable assignments hidden in the text below.\n",

@@ -55,7 +55,7 @@ from hybridtron.data.sft import SFTDataConfig, build_sft_data, conversations_fro
 from hybridtron.dist.config import DistConfig
 from hybridtron.dist.mesh import check_run_layout, world_from_env
 from hybridtron.dist.step import held_out_shares
-from hybridtron.envs import get_env
+from hybridtron.envs import ENV_PREFIX, env_sft_examples
 from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy
 from hybridtron.train.config import SectionedConfig, TrainConfig
 from hybridtron.train.evaluate import HeldOutLoss
@@ -64,7 +64,6 @@ from hybridtron.train.objectives import ObjectiveOutput, router_counts, target_c
     window_targets
 from hybridtron.train.run import BuiltRun, Input, RunCommand, assemble_trainer, prepare_process, start_parallel
 
-ENV_PREFIX = "env:"
 # [train] defaults of SFT, over TrainConfig's (pretraining's), measured on the quickstart model (3.7M parameters;
 # docs/LOG.md, 2026-12-01): a short warmup, two thirds of pretraining's peak LR, the last 20% of the steps decaying
 # (WSD). At lr 3e-4 the model learnt the format in 300 steps but still ignored the question; 2e-3 learnt to copy it.
@@ -202,18 +201,10 @@ def load_conversations(source: str, config: SFTConfig) -> list[dict]:
     """The conversations of `--data`: a JSONL file, a directory of them, or `env:NAME` (its SFT examples)."""
     if not source.startswith(ENV_PREFIX):
         return conversations_from(source)
-    name = source[len(ENV_PREFIX):]
-    options = {"levels": config.env_levels} if config.env_levels else {}
     try:
-        env = get_env(name, **options)
+        return conversations_from(env_sft_examples(source, config.env_examples, config.seed, config.env_levels))
     except ValueError as exc:
-        raise ValueError(f"--data {source}: {exc}") from None
-    except TypeError as exc:  # the environment's constructor takes no levels
-        raise ValueError(f"--data {source}: sft.env_levels={list(config.env_levels)}, but environment {name!r} "
-                         f"takes no levels ({exc})") from None
-    with env:
-        examples = env.sft_examples(config.env_examples, config.seed)
-    return conversations_from(examples)
+        raise ValueError(f"--data {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------------- the run

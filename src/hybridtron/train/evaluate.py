@@ -30,6 +30,11 @@ class Evaluator:
     def due(self, step: int, total_steps: int) -> bool:
         return step % self.every == 0 or step == total_steps
 
+    @property
+    def state_name(self) -> str:
+        """Its name in a checkpoint (one name per evaluator of a run)."""
+        return type(self).__name__
+
     def state_dict(self) -> dict:
         return {"history": list(self.history)}
 
@@ -74,14 +79,19 @@ class HeldOutLoss(Evaluator):
     tokens). `per_batch_mean`: instead the mean of each batch's own mean, pretraining's definition since its first
     run (its figures in BENCHMARKS.md and the golden curve's step-0 loss are of that kind).
 
-    `sum_over_shares` (context parallelism): see `held_out_ce`."""
+    `sum_over_shares` (context parallelism): see `held_out_ce`. `key`: the metric's name (a run with several
+    held-out sets names the others; the first evaluator's `val_loss` is the one the monitor and summary read)."""
 
-    key = "val_loss"
-
-    def __init__(self, batches, every: int, sum_over_shares=None, *, per_batch_mean: bool = False):
+    def __init__(self, batches, every: int, sum_over_shares=None, *, per_batch_mean: bool = False,
+                 key: str = "val_loss"):
         super().__init__()
+        self.key = key
         self.batches, self.every, self.sum_over_shares = batches, every, sum_over_shares
         self.per_batch_mean = per_batch_mean
+
+    @property
+    def state_name(self) -> str:
+        return "HeldOutLoss" if self.key == "val_loss" else f"HeldOutLoss:{self.key}"
 
     def evaluate(self, trainer) -> dict[str, float]:
         parallel = trainer.parallel

@@ -359,7 +359,7 @@ class Trainer:
             "monitor": self.monitor.state_dict(),
             "adjustments": dict(self.adjustments),
             "hooks": {type(hook).__name__: hook.state_dict() for hook in self.hooks},
-            "evaluators": {type(e).__name__: e.state_dict() for e in self.evaluators},
+            "evaluators": {e.state_name: e.state_dict() for e in self.evaluators},
             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                     "stochastic_rounding": sr_generator_states(self.model)},
         }
@@ -398,10 +398,12 @@ class Trainer:
         if not rollback:  # a resumed run keeps what its rollbacks changed
             self.adjustments = dict(state["adjustments"])
             self.apply_adjustments()
-        for owner, states in ((self.hooks, state["hooks"]), (self.evaluators, state["evaluators"])):
-            for item in owner:
-                if type(item).__name__ in states:
-                    item.load_state_dict(states[type(item).__name__])
+        for item in self.hooks:
+            if type(item).__name__ in state["hooks"]:
+                item.load_state_dict(state["hooks"][type(item).__name__])
+        for item in self.evaluators:
+            if item.state_name in state["evaluators"]:
+                item.load_state_dict(state["evaluators"][item.state_name])
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])

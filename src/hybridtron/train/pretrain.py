@@ -14,6 +14,9 @@ The run directory holds everything the run makes (the rules every training comma
 
 Across processes: `torchrun --nproc-per-node N -m hybridtron pretrain ...` with the same options; the `[dist]`
 section lays the model out (FSDP2, TP, EP, PP; docs/scale-out.md), and a checkpoint resumes at any world size.
+
+`--phase long_context --from CHECKPOINT` (or a config file with a `[phase]` section) runs the long-context phase
+from a pretrained checkpoint instead (hybridtron.train.long_context); `--resume` knows a phase's run directory.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ from hybridtron.config import PRESETS, preset
 from hybridtron.data import build_data
 from hybridtron.dist.mesh import check_run_layout, world_from_env
 from hybridtron.dist.step import held_out_shares
+from hybridtron.files import RUN_CONFIG
 from hybridtron.model.lm import HybridLM
 from hybridtron.train.config import RunConfig
 from hybridtron.train.evaluate import HeldOutLoss
+from hybridtron.train.long_context import LONG_CONTEXT, PHASE, phase_of_config_file
 from hybridtron.train.objectives import PretrainObjective
 from hybridtron.train.run import BuiltRun, RunCommand, assemble_trainer, prepare_process, start_parallel
 
@@ -79,12 +84,29 @@ class Pretrain(RunCommand):
     quiet_help = "no mixture table and no progress bar"
 
     def add_command_arguments(self, parser):
-        parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+        parser.add_argument("--preset", choices=sorted(PRESETS),
                             help="model preset to start from (default: tiny, 3.7M parameters, trains on a laptop CPU; "
                                  "ignored with --resume or a run_config.json as --config)")
+        parser.add_argument("--phase", choices=(PHASE,),
+                            help=f"{PHASE}: continue a pretrained --from checkpoint at longer sequence lengths (the "
+                                 f"[phase] section; docs/pretraining.md) (default: none, pretraining from scratch)")
+        for item in LONG_CONTEXT.inputs:
+            parser.add_argument(item.flag, dest=item.dest, help=f"with --phase: {item.help} (required with --phase, "
+                                                                f"unless --resume)")
 
     def default_config(self, args, inputs):
-        return RunConfig(model=preset(args.preset))
+        return RunConfig(model=preset(args.preset or "tiny"))
+
+    def run(self, args):
+        phase = getattr(args, "phase", None) == PHASE or phase_of_config_file(args.config) or (
+            args.resume and args.out is not None and phase_of_config_file(str(Path(args.out) / RUN_CONFIG)))
+        if phase:
+            if getattr(args, "preset", None) is not None:
+                raise ValueError(f"--preset: the {PHASE} phase trains the model of its --from checkpoint")
+            return LONG_CONTEXT.run(args)
+        if getattr(args, "from", None) is not None:
+            raise ValueError(f"--from starts the long-context phase from a checkpoint: add --phase {PHASE}")
+        return super().run(args)
 
     def check(self, config):
         check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=config.data.batch_size,

@@ -50,6 +50,7 @@ import torch
 
 from hybridtron.checkpoint.dcp import CheckpointManager, step_of
 from hybridtron.checkpoint.hf import save_pretrained
+from hybridtron.config import ModelConfig
 from hybridtron.data.chat import save_tokenizer_files
 from hybridtron.dist.config import DistConfig
 from hybridtron.dist.mesh import init_parallel, run_device
@@ -138,6 +139,10 @@ class RunCommand:
         a torchrun restart resumes)."""
         return has_checkpoints(out / "checkpoints")
 
+    def model_config_of(self, source: str) -> ModelConfig:
+        """The architecture of the checkpoint named by the input `MODEL_FROM` fixes: its config.json."""
+        return ModelConfig.from_hf(source)
+
     def same_input(self, flag: str, given, saved) -> bool:
         """Whether an input given with --resume is the run's own (paths compared resolved)."""
         if isinstance(given, str) and isinstance(saved, str) and ":" not in given + saved:
@@ -210,7 +215,7 @@ class RunCommand:
             base = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
             source = self.config_class.MODEL_FROM
             if source is not None and given.get(source) is not None:  # another checkpoint: its architecture
-                base = dataclasses.replace(base, model=type(base.model).from_hf(given[source]))
+                base = dataclasses.replace(base, model=self.model_config_of(given[source]))
             return change_config(base, None, overrides), None
         for item in self.inputs:
             if not item.optional and not given[item.field]:
@@ -222,7 +227,7 @@ class RunCommand:
         source = self.config_class.MODEL_FROM
         if source is None:
             return
-        from_checkpoint = type(saved.model).from_hf(getattr(saved, source))
+        from_checkpoint = self.model_config_of(getattr(saved, source))
         if from_checkpoint != saved.model:
             raise ValueError(f"--resume: {getattr(saved, source)}/config.json changed since the run started; the run "
                              f"trains the model it began with (see {Path(out) / RUN_CONFIG})")
