@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 BENCHMARKS = ROOT / "BENCHMARKS.md"
 LOG = ROOT / "docs" / "LOG.md"
 # one guide per stage of the recipe, each linked from the README's tour
-GUIDES = ("model", "pretraining", "nvfp4", "stability", "inference", "post-training", "scale-out")
+GUIDES = ("model", "pretraining", "nvfp4", "stability", "inference", "post-training", "evaluation", "scale-out")
 MAX_README_LINES = 350
 FIGURE_COLUMNS = ["figure", "value", "goal", "command", "CPU", "date"]
 
@@ -229,9 +229,17 @@ def test_the_log_opens_with_an_index_of_its_entries():
 
 
 def command_help(command: str) -> str:
+    """`hybridtron COMMAND --help`, and each subcommand's (`eval loss --help`) after it."""
+    parser = cli.build_parser(load=command)
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        cli.build_parser(load=command).parse_args([command, "--help"])
+        parser.parse_args([command, "--help"])
+    command_parser = parser._subparsers._group_actions[0].choices[command]
+    for action in command_parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name in action.choices:
+                with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+                    parser.parse_args([command, name, "--help"])
     return out.getvalue()
 
 

@@ -20,7 +20,7 @@ COMMANDS = {
     "precision": ("hybridtron.numerics.policy", "show which module runs in which number format, and FLOP shares"),
     "branch": ("hybridtron.experiments.branch", "continue a checkpoint in NVFP4 and in BF16; report the loss gap"),
     "report": ("hybridtron.train.report", "write an HTML stability report of a run (works while it runs)"),
-    "eval": ("hybridtron.eval.command", "a checkpoint's pass@k on the held-out tasks of math, code or your environment"),
+    "eval": ("hybridtron.eval.command", "evaluate a checkpoint: pass@k on tasks, loss by position, RULER, lm-eval"),
     "generate": ("hybridtron.infer.generate", "generate text from a checkpoint, streaming to the terminal"),
     "serve": ("hybridtron.infer.server.command", "serve a checkpoint with an OpenAI-compatible HTTP API"),
     "memory": ("hybridtron.infer.memory", "KV cache and Mamba state memory of a model at a context and batch"),

@@ -7,14 +7,11 @@ Ring attention refuses packed documents with one line."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo import differences
 
 from hybridtron.config import ModelConfig, parse_pattern
 from hybridtron.dist.context_parallel import (ContextParallelAttention, apply_context_parallel, chunk_rows,
@@ -33,12 +30,6 @@ def _config() -> ModelConfig:
         ssm_state_size=8, conv_kernel=4, chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, moe_latent_size=16, n_group=2,
         topk_group=1, num_nextn_predict_layers=1, max_position_embeddings=64)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _batch():
@@ -67,55 +58,42 @@ def _alone(model):
     return logits, mtp, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _worker(rank: int, port: int, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _check(rank: int):
+    torch.manual_seed(0)
+    model = HybridLM(_config())
+    want_logits, want_mtp, want_grads = _alone(model)
+    model.zero_grad()
+    apply_context_parallel(model, dist.group.WORLD)
+    ids, seq_idx, weights, in_document = _batch()
+    own_ids, _, following = shard_sequence(ids, ids, rank, WORLD, 1)
+    own = lambda t: chunk_rows(t, rank, WORLD)  # noqa: E731
+    out = model(own_ids, following_ids=following, seq_idx=own(seq_idx))
+    mask = own(in_document)[..., None]
+    ((out.logits * own(weights[0])).sum() + (out.mtp_logits[0] * own(weights[1]) * mask).sum()).backward()
+    checks = {"logits": (out.logits, own(want_logits)), "mtp logits": (out.mtp_logits[0] * mask, own(want_mtp))}
+    for name, (got, want) in checks.items():
+        error = float((got - want).abs().max())
+        if not error < 1e-5:
+            yield f"{name} differ by {error}"
+    for name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        scale = float(want_grads[name].abs().max().clamp(min=1.0))
+        error = float((grad - want_grads[name]).abs().max()) / scale
+        if not error < 1e-5:
+            yield f"the gradient of {name} differs by {error} (relative)"
+    for module in model.modules():
+        if isinstance(module, ContextParallelAttention):
+            module.cp_attention = "ring"
     try:
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
-        model = HybridLM(_config())
-        want_logits, want_mtp, want_grads = _alone(model)
-        model.zero_grad()
-        apply_context_parallel(model, dist.group.WORLD)
-        ids, seq_idx, weights, in_document = _batch()
-        own_ids, _, following = shard_sequence(ids, ids, rank, WORLD, 1)
-        own = lambda t: chunk_rows(t, rank, WORLD)  # noqa: E731
-        out = model(own_ids, following_ids=following, seq_idx=own(seq_idx))
-        mask = own(in_document)[..., None]
-        ((out.logits * own(weights[0])).sum() + (out.mtp_logits[0] * own(weights[1]) * mask).sum()).backward()
-        checks = {"logits": (out.logits, own(want_logits)), "mtp logits": (out.mtp_logits[0] * mask, own(want_mtp))}
-        for name, (got, want) in checks.items():
-            error = float((got - want).abs().max())
-            if not error < 1e-5:
-                errors.put(f"rank {rank}: {name} differ by {error}")
-        for name, param in model.named_parameters():
-            grad = param.grad.clone()
-            dist.all_reduce(grad)
-            scale = float(want_grads[name].abs().max().clamp(min=1.0))
-            error = float((grad - want_grads[name]).abs().max()) / scale
-            if not error < 1e-5:
-                errors.put(f"rank {rank}: the gradient of {name} differs by {error} (relative)")
-        for module in model.modules():
-            if isinstance(module, ContextParallelAttention):
-                module.cp_attention = "ring"
-        try:
-            model(own_ids, following_ids=following, seq_idx=own(seq_idx))
-            errors.put(f"rank {rank}: ring attention ran packed documents")
-        except ValueError as exc:
-            if "does not mask packed documents" not in str(exc):
-                errors.put(f"rank {rank}: ring attention's refusal reads {exc}")
-    except Exception as exc:  # reported to the test, which fails with it
-        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
-    finally:
-        dist.destroy_process_group()
+        model(own_ids, following_ids=following, seq_idx=own(seq_idx))
+        yield "ring attention ran packed documents"
+    except ValueError as exc:
+        if "does not mask packed documents" not in str(exc):
+            yield f"ring attention's refusal reads {exc}"
 
 
 @pytest.mark.timeout(180)
 def test_packed_documents_under_context_parallelism_2_get_their_logits_and_gradients_alone():
-    context = mp.get_context("spawn")
-    errors = context.Queue()
-    mp.start_processes(_worker, args=(_free_port(), errors), nprocs=WORLD, start_method="spawn")
-    reported = []
-    while not errors.empty():
-        reported.append(errors.get())
+    reported = differences(_check, WORLD)
     assert not reported, reported

@@ -6,14 +6,12 @@ CP: test_parallel_layouts.py."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from gloo import differences
 
 from hybridtron.dist.context_parallel import chunk_rows
 from hybridtron.dist.ring_attention import (block_attention, block_attention_backward, block_attention_backward_ref,
@@ -41,12 +39,6 @@ def test_a_blocks_kernel_and_its_backward_equal_the_reference(causal):
     assert all(torch.allclose(a, t.grad, atol=1e-5) for a, t in zip(got, (q_, k_, v_)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _whole_sequences(seed: int = 0):
     """q [B, H, L, D], k and v [B, Hkv, L, D], the gradient of the output, and one process's attention."""
     g = torch.Generator().manual_seed(seed)
@@ -64,34 +56,21 @@ def _rows(x: torch.Tensor, rank: int) -> torch.Tensor:
     return chunk_rows(x.detach().transpose(1, 2), rank, WORLD).transpose(1, 2)
 
 
-def _worker(rank: int, port: int, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
-        q, k, v, grad_out, want = _whole_sequences()
-        mine = [_rows(t, rank).requires_grad_() for t in (q, k, v)]
-        got = ring_attention(*mine, dist.group.WORLD)
-        got.backward(_rows(grad_out, rank))
-        checks = {"out": (got, _rows(want, rank))}
-        checks.update({f"grad_{name}": (mine[i].grad, _rows(t.grad, rank)) for i, (name, t) in
-                       enumerate(zip("qkv", (q, k, v)))})
-        for name, (a, b) in checks.items():
-            error = float((a - b).abs().max())
-            if not error < 1e-5:
-                errors.put(f"rank {rank}: {name} differs by {error}")
-    except Exception as exc:  # reported to the test, which fails with it
-        errors.put(f"rank {rank}: {type(exc).__name__}: {exc}")
-    finally:
-        dist.destroy_process_group()
+def _check(rank: int):
+    q, k, v, grad_out, want = _whole_sequences()
+    mine = [_rows(t, rank).requires_grad_() for t in (q, k, v)]
+    got = ring_attention(*mine, dist.group.WORLD)
+    got.backward(_rows(grad_out, rank))
+    checks = {"out": (got, _rows(want, rank))}
+    checks.update({f"grad_{name}": (mine[i].grad, _rows(t.grad, rank)) for i, (name, t) in
+                   enumerate(zip("qkv", (q, k, v)))})
+    for name, (a, b) in checks.items():
+        error = float((a - b).abs().max())
+        if not error < 1e-5:
+            yield f"{name} differs by {error}"
 
 
 @pytest.mark.timeout(120)
 def test_ring_attention_on_four_ranks_is_the_whole_sequences_causal_attention():
-    context = mp.get_context("spawn")
-    errors = context.Queue()
-    mp.start_processes(_worker, args=(_free_port(), errors), nprocs=WORLD, start_method="spawn")
-    reported = []
-    while not errors.empty():
-        reported.append(errors.get())
+    reported = differences(_check, WORLD)
     assert not reported, reported

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ import torch
 
 from hybridtron.checkpoint.dcp import CheckpointManager
 from hybridtron.cli import main as cli_main
+from hybridtron.files import METRICS_FILE
+from hybridtron.train import pretrain
 from hybridtron.train.config import build_run_config
 
 # A small, quick run: a few stdlib families, short rows, tiny batches.
@@ -229,3 +232,14 @@ def test_the_hf_export_is_whole_before_any_rank_returns(tmp_path, monkeypatch, s
     assert len(at_barrier) == 1
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= set(at_barrier[0])
     assert any(name.endswith(".safetensors") for name in at_barrier[0])
+
+
+def test_pretraining_without_held_out_documents_trains_without_validation(trained_run, tmp_path, capsys):
+    """data.val_fraction = 0 ("no validation", as its error message offers) trains and says nothing of a val loss."""
+    overrides = ["data.families=json", "data.vocab_size=512", "model.vocab_size=512", "data.seq_len=32",
+                 "data.batch_size=2", "data.val_fraction=0", f"data.cache_dir={trained_run.parent / 'cache'}"]
+    args = argparse.Namespace(preset="tiny", out=str(tmp_path / "run"), steps=2, config=None, overrides=overrides,
+                              resume=False, quiet=True, print_config=False)
+    assert pretrain.run(args) == 0
+    assert "validation loss" not in capsys.readouterr().out
+    assert not any("val_loss" in line for line in (tmp_path / "run" / METRICS_FILE).read_text().splitlines())

@@ -69,8 +69,10 @@ def build_pretraining(config: RunConfig, out: Path, checkpoints, *, quiet: bool,
     val_batches, sum_over_shares = held_out_shares(val_batches, parallel)  # under CP: this rank's shares
     objective = PretrainObjective(compile_loss=train.compile) if parallel is None else PretrainObjective(
         parallel.sum_over_data, model_config.mtp_depths, train.compile)
-    validation = HeldOutLoss(val_batches, train.val_every, sum_over_shares=sum_over_shares, per_batch_mean=True)
-    trainer = assemble_trainer(model, objective, data.train_loader, [validation],
+    # data.val_fraction = 0 holds nothing out: no validation
+    validation = [HeldOutLoss(val_batches, train.val_every, sum_over_shares=sum_over_shares, per_batch_mean=True)
+                  ] if val_batches else []
+    trainer = assemble_trainer(model, objective, data.train_loader, validation,
                                train=train, monitor_config=config.monitor, out=out, checkpoints=checkpoints,
                                quiet=quiet, stream=stream, parallel=parallel)
     return BuiltRun(trainer, data.tokenizer)
