@@ -3,9 +3,9 @@
     python bench/pretrain.py [--threads 2] [--steps 5] [--batch 4] [--seq 512]
 
 The peak is measured here, in the same run: the fastest of a few square matmuls in fp32 and in bf16. Model FLOPs
-per token of a training step (forward + backward) are 6 x the active matmul parameters (embedding table excluded: it
-is a lookup) plus 6 x T x (query heads x head_dim) per attention layer for the causal score and value products; the
-Mamba scan is counted too, as 6 x the FLOPs of its chunked form's matmuls. MFU = achieved model FLOP/s / peak FLOP/s.
+per token of a training step are counted by hybridtron.train.flops (6 x the active matmul parameters, attention's
+score and value products, the chunked Mamba scan, MTP), as `hybridtron ladder` counts its budgets. MFU = achieved
+model FLOP/s / peak FLOP/s.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from hybridtron.config import bench22m
 from hybridtron.model.lm import HybridLM
+from hybridtron.train.flops import model_flops_per_token
 
 from clock import timed
 
@@ -49,24 +50,6 @@ def matmul_peak(dtype: torch.dtype, device: torch.device = torch.device("cpu"), 
             break
         best = rate
     return best
-
-
-def model_flops_per_token(model: HybridLM, seq_len: int) -> float:
-    cfg = model.config
-    matmul_params = model.num_parameters(active=True)  # excludes the embedding table
-    attention_layers = cfg.layers_block_type.count("full_attention")
-    attention = 6 * attention_layers * seq_len * cfg.num_attention_heads * cfg.head_dim
-    # chunked SSD per token and head: C.B^T and the masked product over a chunk (2 x chunk x (N + P)), chunk states
-    # and their read-out (2 x 2 x P x N)
-    chunk = min(cfg.chunk_size, seq_len)
-    ssd = cfg.layers_block_type.count("linear_attention") * cfg.mamba_num_heads * (
-        2 * chunk * (cfg.ssm_state_size + cfg.mamba_head_dim) + 4 * cfg.mamba_head_dim * cfg.ssm_state_size)
-    mtp = 0
-    if model.mtp is not None:  # each depth runs the MTP block and the lm_head again
-        mtp_params = sum(p.numel() for n, p in model.mtp.named_parameters() if ".experts." not in n)
-        mtp_params += model.mtp.layers[-1].mixer.experts.up_proj[0].numel() * 2 * cfg.num_experts_per_tok
-        mtp = cfg.mtp_num_depths * 6 * (mtp_params + model.lm_head.weight.numel())
-    return 6 * matmul_params + attention + 3 * ssd + mtp
 
 
 def step_time(model: HybridLM, batch: int, seq_len: int, steps: int, autocast: bool) -> float:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybridtron.config import ModelConfig, parse_pattern
+from hybridtron.model.lm import HybridLM
 
 # Tests run tiny tensors, where intra-op threads cost more in synchronisation than they save; on a busy CPU the
 # OpenMP barriers of 2 threads turn a 5 us matmul into 5 ms. One thread is also the more reproducible setting.
@@ -20,7 +21,7 @@ torch.set_num_threads(1)
 MULTI_PROCESS_MODULES = {
     "tests/dist/test_dist_checkpoints.py", "tests/dist/test_dist_rl.py", "tests/dist/test_dist_sft.py",
     "tests/dist/test_parallel_layouts.py", "tests/dist/test_ring_attention.py", "tests/dist/test_document_mask_cp.py",
-    "tests/dist/test_document_mask_layouts.py",
+    "tests/dist/test_document_mask_layouts.py", "tests/dist/test_hyperball_dist.py",
     "tests/post/test_grpo.py", "tests/post/test_mopd.py", "tests/post/test_roles.py",
 }
 
@@ -55,6 +56,21 @@ def _small_config(**overrides) -> ModelConfig:
 def small_config():
     """`small_config(**overrides)`: Mamba, attention, LatentMoE (grouped routing) and dense layers, with MTP."""
     return _small_config
+
+
+def _decoding_model(config: ModelConfig) -> HybridLM:
+    model = HybridLM(config).eval()
+    with torch.no_grad():
+        for bias in model.router_biases():
+            bias.uniform_(-0.05, 0.05)
+    return model
+
+
+@pytest.fixture(scope="session")
+def decoding_model():
+    """`decoding_model(config)`: a model in eval mode with a random router bias, so that every layer and every
+    routing choice moves the logits a decoding test compares."""
+    return _decoding_model
 
 
 @pytest.fixture(scope="session")

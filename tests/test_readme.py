@@ -23,7 +23,8 @@ README = ROOT / "README.md"
 BENCHMARKS = ROOT / "BENCHMARKS.md"
 LOG = ROOT / "docs" / "LOG.md"
 # one guide per stage of the recipe, each linked from the README's tour
-GUIDES = ("model", "pretraining", "nvfp4", "stability", "inference", "post-training", "evaluation", "scale-out")
+GUIDES = ("model", "pretraining", "nvfp4", "stability", "inference", "post-training", "evaluation", "research",
+          "scale-out")
 MAX_README_LINES = 350
 FIGURE_COLUMNS = ["figure", "value", "goal", "command", "CPU", "date"]
 

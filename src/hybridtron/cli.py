@@ -19,6 +19,7 @@ COMMANDS = {
     "pretrain": ("hybridtron.train.pretrain", "train a hybrid model from scratch on a bucketed data mixture"),
     "precision": ("hybridtron.numerics.policy", "show which module runs in which number format, and FLOP shares"),
     "branch": ("hybridtron.experiments.branch", "continue a checkpoint in NVFP4 and in BF16; report the loss gap"),
+    "ladder": ("hybridtron.experiments.ladder.command", "a scaling ladder: isoFLOP rungs, trained and fitted"),
     "report": ("hybridtron.train.report", "write an HTML stability report of a run (works while it runs)"),
     "eval": ("hybridtron.eval.command", "evaluate a checkpoint: pass@k on tasks, loss by position, RULER, lm-eval"),
     "generate": ("hybridtron.infer.generate", "generate text from a checkpoint, streaming to the terminal"),

@@ -3,7 +3,11 @@
 `ModelConfig` keeps the exact field names of Hugging Face's `NemotronHConfig` so that `to_hf()` writes a
 config.json that transformers, vLLM and Megatron-Bridge read, and `from_hf()` reads theirs. Two fields are
 hybridtron's own (`mtp_num_depths`, `mtp_loss_weight`): how many times the one stored MTP block is applied,
-and the total weight of the MTP loss. Other readers ignore them.
+and the total weight of the MTP loss. Other readers ignore them. The architecture options of the Marin hero run
+(`moe_latent_norm`, `moe_output_norm`, `sliding_window` with `sliding_window_layers`; docs/model.md) are ours too,
+all off by default; `nemotron_h` readers cannot express them (`nemotron_h_blocker`), so an HF export refuses a model
+that sets one, and `to_hf` writes them only when set, under hybridtron's own `model_type` ("hybridtron_h"), which
+only hybridtron loads: a training run's own export of such a model (its `hf/`), never misread as `nemotron_h`.
 
 Presets are plain functions: `tiny()` trains on a laptop CPU; `nano3()`, `super3()`, `ultra3()` carry the
 published numbers of Nemotron 3 Nano / Super / Ultra.
@@ -14,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +48,14 @@ MAMBA_ALIASES = {
     "mamba_state_size": "ssm_state_size",
 }
 
+NEMOTRON_H = "nemotron_h"
+HYBRIDTRON_H = "hybridtron_h"  # the model_type of a model with options nemotron_h cannot express
+
 # config.json keys we understand but do not model (transformers writes them; they do not change the math here).
 IGNORED_HF_KEYS = {
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
     "num_logits_to_keep", "use_mamba_kernels", "output_router_logits", "attention_dropout", "hidden_dropout",
-    "sliding_window", "expand", "mamba_expand", "mamba_ssm_cache_dtype", "n_shared_experts",
+    "expand", "mamba_expand", "mamba_ssm_cache_dtype", "n_shared_experts",
     "moe_shared_expert_overlap", "residual_in_fp32", "num_hidden_layers", "auto_map", "_name_or_path",
     "rope_theta", "rope_scaling", "partial_rotary_factor",
     "quantization_config", "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
@@ -133,6 +140,12 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
+    # Marin options (hybridtron's own, off by default; docs/model.md "Architecture options (Marin)")
+    moe_latent_norm: bool = False  # RMSNorm on the latent the routed experts read (LatentMoE only)
+    moe_output_norm: bool = False  # RMSNorm on the MoE block's output, before the residual add
+    sliding_window: int | None = None  # tokens an attention layer of sliding_window_layers sees, itself included
+    # backbone layer indices of the windowed attention layers; None: 3 of every 4 attention layers (every 4th full)
+    sliding_window_layers: tuple[int, ...] | None = None
     # multi-token prediction: one stored block, applied mtp_num_depths times with shared weights
     num_nextn_predict_layers: int = 0
     mtp_layers_block_type: tuple[str, ...] = (ATTENTION, MOE)
@@ -148,6 +161,8 @@ class ModelConfig:
         set_("layers_block_type", _normalize_kinds(self.layers_block_type, "layers_block_type"))
         set_("mtp_layers_block_type", _normalize_kinds(self.mtp_layers_block_type, "mtp_layers_block_type"))
         set_("time_step_limit", tuple(float(v) for v in self.time_step_limit))
+        if self.sliding_window_layers is not None and not isinstance(self.sliding_window_layers, (str, bytes)):
+            set_("sliding_window_layers", tuple(self.sliding_window_layers))
         self.validate()
 
     # ----------------------------------------------------------------------------------------- validation
@@ -168,7 +183,8 @@ class ModelConfig:
         if not self.layers_block_type:
             raise ValueError("layers_block_type must name at least one layer")
         if self.mamba_num_heads % self.n_groups:
-            raise ValueError(f"mamba_num_heads ({self.mamba_num_heads}) must be divisible by n_groups ({self.n_groups})")
+            raise ValueError(f"mamba_num_heads ({self.mamba_num_heads}) must be divisible by n_groups "
+                             f"({self.n_groups})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -176,15 +192,16 @@ class ModelConfig:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= n_routed_experts "
                              f"({self.n_routed_experts})")
         if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})")
+            raise ValueError(f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group "
+                             f"({self.n_group})")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
         if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
             raise ValueError(f"n_group ({self.n_group}) leaves fewer than 2 experts per group; group scores sum the "
                              f"top-2 experts of each group")
         if self.n_group > 1 and self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
-            raise ValueError(f"topk_group ({self.topk_group}) groups of {self.n_routed_experts // self.n_group} experts "
-                             f"hold fewer than num_experts_per_tok ({self.num_experts_per_tok})")
+            raise ValueError(f"topk_group ({self.topk_group}) groups of {self.n_routed_experts // self.n_group} "
+                             f"experts hold fewer than num_experts_per_tok ({self.num_experts_per_tok})")
         if self.num_nextn_predict_layers not in (0, 1):
             raise ValueError(f"num_nextn_predict_layers must be 0 or 1 (one stored MTP block, applied "
                              f"mtp_num_depths times), got {self.num_nextn_predict_layers}")
@@ -199,9 +216,38 @@ class ModelConfig:
             raise ValueError(f"time_step_min ({self.time_step_min}) must be in (0, time_step_max={self.time_step_max}]")
         if self.mtp_loss_weight < 0:
             raise ValueError(f"mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
+        self._validate_marin_options()
         if self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings: nemotron_h never ties the embedding and lm_head (transformers "
                              "ignores the flag); set it to false")
+
+    def _validate_marin_options(self) -> None:
+        for name in ("moe_latent_norm", "moe_output_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.moe_latent_norm and self.moe_latent_size is None:
+            raise ValueError("moe_latent_norm: normalises the LatentMoE latent, but moe_latent_size is None "
+                             "(plain MoE has no latent)")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {window!r}")
+        layers = self.sliding_window_layers
+        if layers is None:
+            return
+        if window is None:
+            raise ValueError(f"sliding_window_layers is {list(layers) if isinstance(layers, tuple) else layers!r} "
+                             "but sliding_window is None; set the window or drop the layers")
+        if not isinstance(layers, tuple):
+            raise ValueError(f"sliding_window_layers must be a list of layer indices, got {layers!r}")
+        for index in layers:
+            if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.num_hidden_layers:
+                raise ValueError(f"sliding_window_layers: {index!r} is not a layer index in "
+                                 f"[0, {self.num_hidden_layers})")
+            if self.layers_block_type[index] != ATTENTION:
+                raise ValueError(f"sliding_window_layers: layer {index} is {self.layers_block_type[index]!r}, "
+                                 f"not an attention layer ({ATTENTION})")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"sliding_window_layers: {list(layers)} names a layer twice")
 
     # ------------------------------------------------------------------------------------- derived sizes
     @property
@@ -236,6 +282,33 @@ class ModelConfig:
         return self.moe_latent_size or self.hidden_size
 
 
+    @property
+    def windowed_layers(self) -> tuple[int, ...]:
+        """Backbone layer indices whose attention sees only the last `sliding_window` tokens: `sliding_window_layers`,
+        or by default 3 of every 4 attention layers (Marin's local:global ratio; the 4th, 8th, ... stay full, so
+        information still crosses the whole context every few layers). The MTP block's attention is always full."""
+        if self.sliding_window is None:
+            return ()
+        if self.sliding_window_layers is not None:
+            return tuple(sorted(self.sliding_window_layers))
+        attention = [i for i, kind in enumerate(self.layers_block_type) if kind == ATTENTION]
+        return tuple(index for ordinal, index in enumerate(attention) if ordinal % 4 != 3)
+
+    def nemotron_h_blocker(self) -> str | None:
+        """Why a `nemotron_h` reader (transformers' NemotronHConfig) would misread this model, naming the field; None
+        when it would not."""
+        for name in ("moe_latent_norm", "moe_output_norm"):
+            if getattr(self, name):
+                return f"{name} = true has no nemotron_h equivalent (transformers would drop its norm weights)"
+        if self.sliding_window is not None:
+            return (f"sliding_window = {self.sliding_window} has no nemotron_h equivalent (transformers' NemotronH "
+                    f"attends in full on every layer)")
+        return None
+
+    def attention_window(self, layer_index: int) -> int | None:
+        """The window of backbone layer `layer_index`'s attention: `sliding_window` if it is windowed, else None."""
+        return self.sliding_window if layer_index in self.windowed_layers else None
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
@@ -256,9 +329,10 @@ class ModelConfig:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: not valid JSON ({exc})") from None
         raw = dict(source)
-        model_type = raw.get("model_type", "nemotron_h")
-        if model_type != "nemotron_h":
-            raise ValueError(f"{origin}: model_type is {model_type!r}, expected 'nemotron_h'")
+        model_type = raw.get("model_type", NEMOTRON_H)
+        if model_type not in (NEMOTRON_H, HYBRIDTRON_H):
+            raise ValueError(f"{origin}: model_type is {model_type!r}, expected {NEMOTRON_H!r} (or hybridtron's own "
+                             f"{HYBRIDTRON_H!r})")
         for alias, name in MAMBA_ALIASES.items():
             if alias in raw:
                 value = raw.pop(alias)
@@ -279,6 +353,12 @@ class ModelConfig:
             raw["eos_token_id"] = raw["eos_token_id"][0]
         if INIT_TIME_STEP_MIN_KEY in raw:  # an HF export: time_step_min there is transformers' dt clamp
             raw["time_step_min"] = raw.pop(INIT_TIME_STEP_MIN_KEY)
+        if raw.get("sliding_window") is not None and "sliding_window_layers" not in raw:
+            # transformers' NemotronH keeps the field but runs every attention layer in full; which layers a
+            # foreign config meant to window is unknowable, so honouring it would be a guess either way
+            raise ValueError(f"{origin}: sliding_window is {raw['sliding_window']!r} without sliding_window_layers "
+                             "(hybridtron's field); nemotron_h readers ignore it and attend in full, so it is refused "
+                             "rather than guessed; set it to null, or add sliding_window_layers")
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in known}
         unknown = sorted(k for k in raw if k not in known and k not in IGNORED_HF_KEYS)
@@ -299,13 +379,21 @@ class ModelConfig:
         below it gives other logits there. The export therefore writes the smallest normal fp32 as
         `time_step_min` (transformers' clamp then changes nothing but denormals) and keeps the init value under
         `hybridtron_init_time_step_min`, which `from_hf` restores."""
-        out: dict[str, Any] = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h"}
+        out: dict[str, Any] = {"architectures": ["NemotronHForCausalLM"], "model_type": NEMOTRON_H}
+        if self.nemotron_h_blocker() is not None:  # transformers must refuse it, not compute another model
+            out.update(architectures=["HybridtronForCausalLM"], model_type=HYBRIDTRON_H)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         if export:
             out[INIT_TIME_STEP_MIN_KEY] = self.time_step_min
             out["time_step_min"] = TRANSFORMERS_DT_CLAMP
+        # the Marin options only when set: a config without them writes the same config.json as before them
+        for name in ("moe_latent_norm", "moe_output_norm"):
+            if not getattr(self, name):
+                del out[name]
+        if self.sliding_window is None:
+            del out["sliding_window"], out["sliding_window_layers"]
         out["time_step_limit"] = [self.time_step_limit[0], self.time_step_limit[1]]
         out["num_hidden_layers"] = self.num_hidden_layers
         out["hybrid_override_pattern"] = self.hybrid_override_pattern

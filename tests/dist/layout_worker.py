@@ -5,7 +5,7 @@
 LAYOUT is `dp_shard=2,ep=2`-style ([dist] fields; unnamed ones default, dp_shard takes the rest; also
 `recompute=full|selective` and `compile=BACKEND` for the blocks, `precision=nvfp4|mxfp8` for the emulated GEMMs,
 `grad_accum_dtype=bf16` for lm_head's gradient reduction, `documents=1` for batches with a document mask (seq_idx),
-and `steps=N`). Each layout
+`moe_norms=1` for a model with Marin's two MoE RMSNorms (moe_latent_norm, moe_output_norm), and `steps=N`). Each layout
 builds its own meshes over the one process group, trains `train_steps` steps from the same initialization on
 the same global batches, and global rank 0 writes, per layout, every step's metrics, gradient norm and globally
 reduced expert counts to OUT.json. `train(None, ...)` is the single-process reference the tests compare against.
@@ -52,8 +52,8 @@ BATCH, SEQ, GRAD_ACCUM, STEPS = 4, 32, 2, 10
 SEED = 1
 
 
-def model_config():
-    return _small_config()
+def model_config(moe_norms: bool = False):
+    return _small_config(moe_latent_norm=True, moe_output_norm=True) if moe_norms else _small_config()
 
 
 class SyntheticBatches(BatchSource):
@@ -102,11 +102,12 @@ class Record(Hook):
 
 
 def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_backend: str | None = None,
-          precision: str = "fp32", grad_accum_dtype: str = "fp32", documents: bool = False) -> list[dict]:
+          precision: str = "fp32", grad_accum_dtype: str = "fp32", documents: bool = False,
+          moe_norms: bool = False) -> list[dict]:
     """Train `steps` steps from the initialization of seed SEED; the per-step records (same on every rank). The
     precision policy is applied before the layout, as `hybridtron.train.run.assemble_trainer` does."""
     torch.manual_seed(SEED)
-    config = model_config()
+    config = model_config(moe_norms)
     model = HybridLM(config) if parallel is None else HybridLM.on_meta(config)  # as `pretrain` builds it
     train_config = TrainConfig(steps=steps, grad_accum=GRAD_ACCUM, lr=3e-3, warmup_steps=2, grad_clip=1.0,
                                precision=precision)
@@ -129,7 +130,7 @@ def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_back
 
 
 # not [dist] fields: how the blocks run and what the run trains in
-TRAIN_OPTIONS = ("recompute", "compile", "precision", "grad_accum_dtype", "steps", "documents")
+TRAIN_OPTIONS = ("recompute", "compile", "precision", "grad_accum_dtype", "steps", "documents", "moe_norms")
 
 
 def parse_layout(text: str) -> tuple[DistConfig, dict]:
@@ -152,12 +153,13 @@ def main(out: str, layouts: list[str]) -> None:
         # does (kept, it made the next compiled layout take 38 s instead of 9)
         torch._dynamo.reset()
         config, options = parse_layout(text)
-        parallel = init_parallel(config, model_config(), batch_size=BATCH, grad_accum=GRAD_ACCUM, seq_len=SEQ,
+        moe_norms = bool(int(options.get("moe_norms", 0)))
+        parallel = init_parallel(config, model_config(moe_norms), batch_size=BATCH, grad_accum=GRAD_ACCUM, seq_len=SEQ,
                                  context_parallel=True)
         results[text] = train(parallel, int(options.get("steps", STEPS)), recompute=options.get("recompute", "none"),
                               compile_backend=options.get("compile"), precision=options.get("precision", "fp32"),
                               grad_accum_dtype=options.get("grad_accum_dtype", "fp32"),
-                              documents=bool(int(options.get("documents", 0))))
+                              documents=bool(int(options.get("documents", 0))), moe_norms=moe_norms)
     if parallel.is_main:
         Path(out).write_text(json.dumps(results))
     parallel.close()

@@ -49,6 +49,11 @@ NVFP4_STEPS = 3
 
 
 @pytest.fixture(scope="module")
+def moe_norms_reference():
+    return layout_worker.train(None, SHORT_STEPS, moe_norms=True)
+
+
+@pytest.fixture(scope="module")
 def nvfp4_reference():
     return layout_worker.train(None, NVFP4_STEPS, precision="nvfp4")
 
@@ -83,13 +88,19 @@ WORLD_2_SHORT = [f"{layout},steps={SHORT_STEPS}" for layout in [
 CAPPED = "ep=2,ep_capacity_factor=0.5"  # half the mean load per expert: rows are dropped (10 steps: the tiny
 # model's routed experts add little to its output, so dropping half their rows moves the loss by parts in 1e6)
 WORLD_2_NVFP4 = [f"tp=2,precision=nvfp4,steps={NVFP4_STEPS}", f"ep=2,precision=nvfp4,steps={NVFP4_STEPS}"]
+# Marin's MoE norms act token by token on TP's sequence shards: their gradients must be summed over the TP group
+MOE_NORMS = [f"tp=2,moe_norms=1,steps={SHORT_STEPS}", f"ep=2,moe_norms=1,steps={SHORT_STEPS}"]
 BF16_OUTPUT_REDUCTION = f"dp_shard=2,grad_accum_dtype=bf16,steps={SHORT_STEPS}"  # the report's divergence-1 fault
 
 
 @pytest.mark.timeout(300)
-def test_layouts_on_two_processes_match_one_process(tmp_path, reference, short_reference, nvfp4_reference):
-    results = run_layouts(tmp_path, 2, WORLD_2 + WORLD_2_SHORT + [CAPPED] + WORLD_2_NVFP4 + [BF16_OUTPUT_REDUCTION],
-                          timeout=280)
+def test_layouts_on_two_processes_match_one_process(tmp_path, reference, short_reference, nvfp4_reference,
+                                                    moe_norms_reference):
+    results = run_layouts(tmp_path, 2, WORLD_2 + WORLD_2_SHORT + [CAPPED] + WORLD_2_NVFP4 + [BF16_OUTPUT_REDUCTION]
+                          + MOE_NORMS, timeout=280)
+    for layout in MOE_NORMS:
+        assert_same_run(results[layout], moe_norms_reference, layout)
+    assert moe_norms_reference[-1]["losses"]["loss"] != short_reference[-1]["losses"]["loss"]  # the norms do act
     for layout in WORLD_2:
         assert_same_run(results[layout], reference, layout)
     for layout in WORLD_2_SHORT:  # a capacity of 8x the mean load drops nothing: the dropless run exactly

@@ -7,8 +7,10 @@ import json
 import pytest
 
 from hybridtron.cli import build_parser, main
-from hybridtron.config import ULTRA3_PATTERN, nano3, parse_pattern, super3, tiny, ultra3
-from hybridtron.dist.costs import GiB, checkpoint_bytes, cluster_for, group_placement, model_units, parameter_count
+from hybridtron.config import ATTENTION, ULTRA3_PATTERN, nano3, parse_pattern, super3, tiny, ultra3
+from hybridtron.dist.costs import (
+    GiB, checkpoint_bytes, cluster_for, group_placement, mean_keys_per_query, model_units, parameter_count,
+)
 from hybridtron.dist.layout import Layout, Rejected, Workload, check_layout, tensor_parallel_reason
 from hybridtron.dist.plan import Estimate, estimate, pipeline_stages, plan
 from hybridtron.dist.serving import serve_plan
@@ -243,6 +245,27 @@ def test_serving_state_per_sequence_by_hand():
         tp = candidate.layout.attention_tp
         by_hand = kv_per_token / min(tp, 2) * 8192 + mamba / tp
         assert candidate.state_gib_per_sequence * GiB == pytest.approx(by_hand, rel=1e-12), candidate.layout
+
+
+
+def test_sliding_windows_shrink_the_planners_attention_and_the_serving_state():
+    """Ultra with 3 of every 4 attention layers windowed to 4,096 tokens: at a 1M context those 9 layers' attention
+    FLOPs and KV cache stop growing at the window; the Mamba state and the 3 full layers are as before."""
+    full, windowed = ultra3(), ultra3().replace(sliding_window=4096)
+    units = {u.name: u for u in model_units(windowed)}
+    layers = [int(name.split()[1]) for name, u in units.items() if name.startswith("layer") and ATTENTION in u.mixers]
+    assert [units[f"layer {i}"].windows for i in layers] == [(windowed.attention_window(i),) for i in layers]
+    context = 1_048_576
+    attention = {name: sum(u.core_flops_per_token(c, context, ATTENTION) for u in model_units(c)
+                           if u.name.startswith("layer"))  # (the MTP block's attention is never windowed)
+                 for name, c in (("full", full), ("windowed", windowed))}
+    kept = 3 / 12 + 9 / 12 * mean_keys_per_query(context, 4096) / mean_keys_per_query(context)
+    assert attention["windowed"] / attention["full"] == pytest.approx(kept, rel=1e-9)
+    cluster = cluster_for("h100", 8, hbm_gib=80)
+    states = [serve_plan(c, cluster, batch=1, context=context).candidates[0] for c in (full, windowed)]
+    kv_per_token = 2 * 2 * 128 * 1 / min(states[0].layout.attention_tp, 2)  # one layer, FP8
+    saved = 9 * kv_per_token * (context - 4096)
+    assert (states[0].state_gib_per_sequence - states[1].state_gib_per_sequence) * GiB == pytest.approx(saved)
 
 
 # ---------------------------------------------------------------------------------------------------- serving

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridtron.model.lm import HybridLM
 from hybridtron.model.moe import routed_experts_ref
 from hybridtron.model.state import KVCache, LayerStates, MambaState
 
@@ -19,14 +18,9 @@ DECODE = dict(rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture
-def model(small_config):
+def model(small_config, decoding_model):
     """Weights at 5x the default init scale and a random router bias, so every layer moves the logits."""
-    config = small_config(initializer_range=0.1, chunk_size=8)
-    model = HybridLM(config).eval()
-    with torch.no_grad():
-        for bias in model.router_biases():
-            bias.uniform_(-0.05, 0.05)
-    return model
+    return decoding_model(small_config(initializer_range=0.1, chunk_size=8))
 
 
 def full_logits(model, ids):

@@ -15,9 +15,12 @@ import pytest
 import torch
 
 from hybridtron.checkpoint.dcp import CheckpointManager
+from hybridtron.checkpoint.hf import load_pretrained
 from hybridtron.cli import main as cli_main
+from hybridtron.config import HYBRIDTRON_H
 from hybridtron.files import METRICS_FILE
 from hybridtron.train import pretrain
+from hybridtron.train.run import complete_steps
 from hybridtron.train.config import build_run_config
 
 # A small, quick run: a few stdlib families, short rows, tiny batches.
@@ -243,3 +246,19 @@ def test_pretraining_without_held_out_documents_trains_without_validation(traine
     assert pretrain.run(args) == 0
     assert "validation loss" not in capsys.readouterr().out
     assert not any("val_loss" in line for line in (tmp_path / "run" / METRICS_FILE).read_text().splitlines())
+
+
+def test_a_run_with_an_option_nemotron_h_cannot_express_exports_in_hybridtrons_format(trained_run, tmp_path, capsys):
+    """moe_output_norm (a Marin option): the run finishes, its hf/ is model_type hybridtron_h (said in one line) and
+    loads here with the trained weights; the run counts as complete."""
+    overrides = ["data.families=json", "data.vocab_size=512", "model.vocab_size=512", "data.seq_len=32",
+                 "data.batch_size=2", "data.val_fraction=0", "model.moe_output_norm=true",
+                 f"data.cache_dir={trained_run.parent / 'cache'}"]
+    args = argparse.Namespace(preset="tiny", out=str(tmp_path / "run"), steps=2, config=None, overrides=overrides,
+                              resume=False, quiet=True, print_config=False)
+    assert pretrain.run(args) == 0
+    assert "hybridtron's own format" in capsys.readouterr().err
+    hf = tmp_path / "run" / "hf"
+    assert json.loads((hf / "config.json").read_text())["model_type"] == HYBRIDTRON_H
+    assert load_pretrained(hf).config.moe_output_norm
+    assert complete_steps(tmp_path / "run") == 2

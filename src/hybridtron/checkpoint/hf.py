@@ -7,6 +7,13 @@ Megatron-Bridge and vLLM read them). Above `max_shard_bytes` the tensors are spl
 
 Loading also accepts what transformers itself may write: `model.` instead of `backbone.` and stacked experts.
 Every problem is reported at once: missing, unexpected and mis-shaped tensors, by name.
+
+An export is for `nemotron_h` readers, so `save_pretrained` refuses a model they would misread
+(`ModelConfig.nemotron_h_blocker`): the Marin options (`moe_latent_norm`, `moe_output_norm`: weights transformers has
+no place for; `sliding_window`: transformers' NemotronH keeps the field but attends in full on every layer), unless
+asked for hybridtron's own format (`nemotron_h=False`: model_type "hybridtron_h", which transformers refuses to
+load and `load_pretrained` reads; a training run's final export uses it). Training checkpoints (DCP) hold any
+model.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hybridtron.config import ModelConfig
+from hybridtron.config import HYBRIDTRON_H, ModelConfig
 from hybridtron.model.lm import HybridLM
 
 SINGLE_FILE = "model.safetensors"
@@ -51,12 +58,23 @@ def to_disk_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_exportable(config: ModelConfig) -> None:
+    """One line naming the first field a `nemotron_h` reader (transformers' NemotronHConfig) cannot express."""
+    blocker = config.nemotron_h_blocker()
+    if blocker is not None:
+        raise ValueError(f"HF export: {blocker}; keep a training checkpoint, or the run's own export "
+                         f"(model_type {HYBRIDTRON_H!r}, which only hybridtron loads)")
+
+
 def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                    dtype: torch.dtype | None = None) -> None:
+                    dtype: torch.dtype | None = None, nemotron_h: bool = True) -> None:
     """Write config.json and the safetensors (sharded above `max_shard_bytes`) into `directory`, atomically:
     the files are written into a temporary sibling directory which then replaces the target. The directory and its
     files get the permissions the umask gives new ones (0o755 / 0o644 under umask 022), so another user or a
-    serving container can read the export."""
+    serving container can read the export. `nemotron_h=False` writes a model nemotron_h cannot express in
+    hybridtron's own format (module docstring) instead of refusing it."""
+    if nemotron_h:
+        check_exportable(model.config)
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     state = {}
@@ -182,7 +200,8 @@ def load_pretrained(directory: str | Path, *, dtype: torch.dtype | None = None, 
         lines = [f"{directory}: checkpoint does not match its config.json"]
         for title, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
             if names:
-                lines.append(f"  {title} ({len(names)}): " + ", ".join(names[:20]) + (" ..." if len(names) > 20 else ""))
+                more = " ..." if len(names) > 20 else ""
+                lines.append(f"  {title} ({len(names)}): " + ", ".join(names[:20]) + more)
         if any(name.startswith("mtp.") for name in missing) and not any(name.startswith("mtp.") for name in state):
             lines.append("  hint: the checkpoint has no MTP block (transformers drops the mtp.* tensors when it "
                          "saves); load it without one: from_pretrained(directory, num_nextn_predict_layers=0)")

@@ -225,6 +225,11 @@ def apply_context_parallel(model: nn.Module, group: dist.ProcessGroup, attention
     """Swap every attention and Mamba-2 mixer of `model` (the MTP block's too) for its context-parallel form over
     `group` (its class only: the parameters and their names stay); `attention`: how attention exchanges its keys
     and values, "all-gather" or "ring" (`dist.cp_attention`)."""
+    windowed = [name for name, module in model.named_modules()
+                if isinstance(module, Attention) and module.sliding_window is not None]
+    if windowed:  # neither form masks a window: refuse rather than attend in full
+        raise ValueError(f"context parallelism: sliding_window is not supported with dist.cp_attention = "
+                         f"{attention!r} (windowed: {', '.join(windowed)}); use cp = 1 or sliding_window None")
     for module in model.modules():
         form = CONTEXT_PARALLEL_FORMS.get(type(module))
         if form is not None:

@@ -196,13 +196,21 @@ class ParamGroup:
 class Unit:
     """A piece the pipeline places whole: the embedding (first stage), one backbone layer, the head (norm_f and
     lm_head) or the MTP block (both on the last stage). `mixers`: the layer kinds it runs per token, the MTP
-    block's once per depth. `gemm_flops`: forward FLOPs per token of its GEMMs, by training format."""
+    block's once per depth. `gemm_flops`: forward FLOPs per token of its GEMMs, by training format. `windows`: the
+    sliding window of each mixer (None: full attention, or not attention)."""
 
     name: str
     mixers: tuple[str, ...]
     params: tuple[ParamGroup, ...]
     gemm_flops: tuple[tuple[str, float], ...]
     logits: int = 0  # lm_head applications per token (1 + MTP depths) for the head, else 0
+    windows: tuple[int | None, ...] = ()
+
+    def core_flops_per_token(self, config: ModelConfig, seq_len: int, kind: str | None = None) -> float:
+        """Attention's and the scan's forward FLOPs per token of this unit's mixers (of `kind` only if given)."""
+        windows = self.windows or (None,) * len(self.mixers)
+        return sum(core_flops_per_token(config, mixer, seq_len, window)
+                   for mixer, window in zip(self.mixers, windows) if kind is None or mixer == kind)
 
     @property
     def dense_params(self) -> int:
@@ -256,10 +264,11 @@ def model_units(config: ModelConfig, recipe: str = "nvfp4", policy: str = "ultra
             mixers = tuple(config.mtp_layers_block_type) * depths
         else:
             mixers = (config.layers_block_type[int(name.split()[1])],)
+        windows = (config.attention_window(int(name.split()[1])),) if name.startswith("layer") else ()
         params = tuple(ParamGroup(role, fmt, count, expert)
                        for (role, fmt, expert), count in sorted(groups.get(name, {}).items(), key=str))
         units.append(Unit(name, mixers, params, tuple(sorted(flops.get(name, {}).items())),
-                          logits=1 + depths if name == "head" else 0))
+                          logits=1 + depths if name == "head" else 0, windows=windows))
     return tuple(units)
 
 
@@ -315,15 +324,24 @@ def activation_bytes(config: ModelConfig, kind: str, tp: int, etp: int, recomput
     return kept / tp + routed
 
 
-def core_flops_per_token(config: ModelConfig, kind: str, seq_len: int) -> float:
+def core_flops_per_token(config: ModelConfig, kind: str, seq_len: int, window: int | None = None) -> float:
     """Forward FLOPs per token outside the GEMMs of the policy: causal attention over the sequence (QK^T and PV,
-    half the keys on average) and the chunked SSD scan (intra-chunk Q(N+P), state in and out 4NP, per head)."""
+    half the keys on average; a layer with a sliding `window`, `config.attention_window(layer)`, the keys its
+    window reaches) and the chunked SSD scan (intra-chunk Q(N+P), state in and out 4NP, per head)."""
     if kind == ATTENTION:
-        return 2.0 * seq_len * config.num_attention_heads * config.head_dim
+        return 4.0 * mean_keys_per_query(seq_len, window) * config.num_attention_heads * config.head_dim
     if kind == MAMBA:
         n, p, q = config.ssm_state_size, config.mamba_head_dim, config.chunk_size
         return config.mamba_num_heads * (q * (n + p) + 4.0 * n * p)
     return 0.0
+
+
+def mean_keys_per_query(seq_len: int, window: int | None = None) -> float:
+    """Keys a query attends to, averaged over the positions of a sequence: seq_len / 2 when causal (the estimate's
+    convention for full attention), and for a window W < seq_len the exact mean of min(t + 1, W)."""
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    return window - window * (window - 1) / (2 * seq_len)
 
 
 # ------------------------------------------------------------------------------------------ serving weights

@@ -187,6 +187,7 @@ def _token_modules(unit: nn.Module) -> list[nn.Module]:
             found.append(layer.mixer.gate)
             if layer.mixer.latent:
                 found += [layer.mixer.fc1_latent_proj, layer.mixer.fc2_latent_proj]
+            found += [norm for norm in (layer.mixer.latent_norm, layer.mixer.output_norm) if norm is not None]
     return found
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from hybridtron.config import ATTENTION, MAMBA, MOE, PRESETS, ModelConfig, preset
 from hybridtron.dist.costs import (
     GPUS, GiB, RECOMPUTE_MODES, SERVING_CHECKPOINTS, Cluster, Unit, activation_bytes, cluster_for,
-    core_flops_per_token, group_placement, model_units, ring_seconds,
+    group_placement, model_units, ring_seconds,
 )
 from hybridtron.dist.layout import Layout, Rejected, Workload, candidate_layouts, check_layout
 from hybridtron.dist.serving import format_serve, serve_plan
@@ -148,7 +148,7 @@ class _Stage:
 
 def _unit_seconds_per_token(config: ModelConfig, cluster: Cluster, unit: Unit, seq_len: int) -> float:
     gemm = sum(flops / cluster.peak_flops(fmt) for fmt, flops in unit.gemm_flops)
-    core = sum(core_flops_per_token(config, kind, seq_len) for kind in unit.mixers) / cluster.peak_flops("bf16")
+    core = unit.core_flops_per_token(config, seq_len) / cluster.peak_flops("bf16")
     return gemm + core
 
 
@@ -250,8 +250,8 @@ def _stage_seconds(config: ModelConfig, cluster: Cluster, workload: Workload, la
     # Each GEMM at its format's peak (the precision policy); attention and the scan at BF16. TP splits the work.
     gemm_per_token = sum(flops / (cluster.peak_flops(fmt) * efficiency) for fmt, flops in stage.gemm_flops.items())
     bf16 = cluster.peak_flops("bf16") * efficiency
-    attention_per_token = stage.count(ATTENTION) * core_flops_per_token(c, ATTENTION, workload.seq_len) / bf16
-    scan_per_token = stage.count(MAMBA) * core_flops_per_token(c, MAMBA, workload.seq_len) / bf16
+    attention_per_token = sum(u.core_flops_per_token(c, workload.seq_len, ATTENTION) for u in stage.units) / bf16
+    scan_per_token = sum(u.core_flops_per_token(c, workload.seq_len, MAMBA) for u in stage.units) / bf16
     forward_s = (gemm_per_token + attention_per_token + scan_per_token) * tokens / L.tp
     attention_s = attention_per_token * tokens / L.tp
     compute_s = forward_s * (4 if full else 3)  # backward = 2 x forward, + 1 forward when recomputing

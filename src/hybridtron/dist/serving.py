@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from hybridtron.config import ATTENTION, MOE, ModelConfig
 from hybridtron.dist.costs import GiB, SERVING_CHECKPOINTS, Cluster, checkpoint_bytes, model_units
 from hybridtron.dist.layout import divisors, tensor_parallel_reason
-from hybridtron.model.memory import kv_bytes_per_token, mamba_state_bytes
+from hybridtron.model.memory import kv_cache_bytes, mamba_state_bytes
 
 
 @dataclass(frozen=True)
@@ -97,10 +97,11 @@ def serve_estimate(config: ModelConfig, cluster: Cluster, layout: ServeLayout, b
     dense_bytes, expert_bytes = checkpoint_bytes(config, checkpoint)
     weights = dense_bytes / t + expert_bytes / gpus
     free = cluster.hbm_gib - weights / GiB
-    # FP8 KV cache (kv heads beyond TP replicate, not split), fp32 SSM and BF16 conv state
-    kv_per_gpu = kv_bytes_per_token(c, "fp8") / min(t, c.num_key_value_heads)
+    # FP8 KV cache (kv heads beyond TP replicate, not split; a windowed layer holds its window), fp32 SSM and BF16
+    # conv state
+    kv_per_gpu = kv_cache_bytes(c, context, "fp8") / min(t, c.num_key_value_heads)
     mamba_per_gpu = mamba_state_bytes(c, "fp32", "bf16") / t
-    state = kv_per_gpu * context + mamba_per_gpu
+    state = kv_per_gpu + mamba_per_gpu
     per_group = max(0, int((free - cluster.runtime_reserve_gib) * GiB // state))
     sequences_per_group = -(-batch // d)
 
@@ -117,7 +118,7 @@ def serve_estimate(config: ModelConfig, cluster: Cluster, layout: ServeLayout, b
         expert_read = read_experts * touched / gpus
     hbm = cluster.hbm_gbps * 1e9 * cluster.hbm_efficiency
     weight_read_s = (read_dense / t + expert_read) / hbm
-    state_read_s = sequences_per_group * (kv_per_gpu * context + 2 * mamba_per_gpu) / hbm  # KV; state r+w
+    state_read_s = sequences_per_group * (kv_per_gpu + 2 * mamba_per_gpu) / hbm  # KV; state r+w
 
     backbone = [u for u in model_units(config) if u.name.startswith("layer") or u.name == "head"]
     dense_active = sum(u.dense_params for u in backbone)

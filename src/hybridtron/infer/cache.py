@@ -2,7 +2,10 @@
 decoding adds: rewinding after speculative verification, SSM states stored in lower precision, row copies (slots),
 memory.
 
-Attention layers grow with the context (one K and one V row per token, preallocated to `max_len`); Mamba layers keep
+Attention layers grow with the context (one K and one V row per token, preallocated to `max_len`), a windowed layer's
+(`config.sliding_window`) only up to its window: a ring whose slot p % window holds position p, so its row copies
+take every slot and a rewind (speculative verification) is refused, the ring having overwritten what it would
+restore. Mamba layers keep
 a constant-size state per sequence: the last `conv_kernel - 1` conv inputs and the [heads, head_dim, state] SSM
 state. Each sequence of the batch has its own length, so sequences of different prompt lengths decode together.
 
@@ -40,7 +43,7 @@ import torch
 
 from hybridtron.config import ModelConfig
 from hybridtron.infer.state_quant import INT8_BLOCK, MODES, roundtrip
-from hybridtron.model.state import KVCache, LayerStates, MambaState, allocate_layers, select_layers
+from hybridtron.model.state import KVCache, LayerStates, MambaState, allocate_layers, kv_slots, select_layers
 
 STORED_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
 INT8_SCALE_BYTES = 4
@@ -114,9 +117,10 @@ class HybridCache(LayerStates):
         for layer, from_layer in zip(self.layers, other.layers):
             # a row copied within one tensor is read out first: an indexed write may not read the tensor it writes
             if isinstance(layer, KVCache):
+                held = min(length, layer.k_BHTD.shape[2])  # a ring that has wrapped holds its positions in every slot
                 for mine, theirs in ((layer.k_BHTD, from_layer.k_BHTD), (layer.v_BHTD, from_layer.v_BHTD)):
-                    row = theirs[source, :, :length]
-                    mine[targets, :, :length] = row.clone() if same else row
+                    row = theirs[source, :, :held]
+                    mine[targets, :, :held] = row.clone() if same else row
             elif isinstance(layer, MambaState):
                 for mine, theirs in ((layer.conv_BCK, from_layer.conv_BCK), (layer.ssm_BHPN, from_layer.ssm_BHPN)):
                     mine[targets] = theirs[source].clone() if same else theirs[source]
@@ -139,7 +143,10 @@ class HybridCache(LayerStates):
         layers = []
         for layer in self.layers:
             if isinstance(layer, KVCache):
-                layers.append(KVCache(*(_resized_kv(t, rows, max_len) for t in (layer.k_BHTD, layer.v_BHTD))))
+                # a ring's slot count changes only while no sequence has outgrown it (`kv_slots`): no slot moves
+                slots = kv_slots(max_len, layer.window)
+                layers.append(KVCache(*(_resized_kv(t, rows, slots) for t in (layer.k_BHTD, layer.v_BHTD)),
+                                      layer.window))
             elif isinstance(layer, MambaState):
                 layers.append(MambaState(resized_rows(layer.conv_BCK, rows), resized_rows(layer.ssm_BHPN, rows)))
             else:
@@ -156,6 +163,9 @@ class HybridCache(LayerStates):
         """After a recorded forward of `new_tokens` tokens, keep only the first `kept_new_tokens[b]` of them."""
         if (kept_new_tokens < 1).any():
             raise ValueError("rewind_to keeps at least one of the recorded tokens per sequence")
+        if any(isinstance(layer, KVCache) and layer.window is not None for layer in self.layers):
+            raise ValueError("rewind_to: a sliding_window layer's KV cache is a ring of its window, and the rejected "
+                             "tokens overwrote positions it would need; speculative decoding needs sliding_window None")
         mamba_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer, MambaState)]
         if any(i not in self.recorded for i in mamba_layers):
             raise RuntimeError("rewind_to needs a recorded forward (`fastpath.forward(..., record=True)`) first")

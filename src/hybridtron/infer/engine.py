@@ -97,6 +97,7 @@ from hybridtron.infer.speculative import (
     SpeculativeBatch,
     SpeculativeDecoder,
     check_drafter,
+    why_no_drafting,
 )
 from hybridtron.infer.steps import COMPILED_CACHE_MIN
 from hybridtron.infer.text import SequenceText, TextStream
@@ -148,8 +149,9 @@ class HybridEngine:
         self.model_name = model_name
         self.vocab_size = config.vocab_size
         self.max_context = context_limit(model, max_context)
-        # speculative decoding needs an MTP block; without one the engine decodes plainly
-        self.speculative = bool(speculative) and model.mtp is not None
+        # speculative decoding needs an MTP block it can draft with (and caches it can rewind); without them the
+        # engine decodes plainly, and `why_no_drafting` says why
+        self.speculative = bool(speculative) and why_no_drafting(model) is None
         if self.speculative:
             check_drafter(model, max_draft_length if draft_length is None else draft_length)
         self.draft_length = draft_length

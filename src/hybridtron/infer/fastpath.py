@@ -126,9 +126,10 @@ def forward_recorded_ref(model, ids_BT: torch.Tensor, cache: HybridCache):
 # ------------------------------------------------------------------------------------------------ attention
 def attention_forward(attention: Attention, hidden_BTD: torch.Tensor, kv: KVCache,
                       lengths: torch.Tensor) -> torch.Tensor:
-    """`attention(hidden, kv, lengths)`; when every row is at the same length, one slice write per tensor."""
+    """`attention(hidden, kv, lengths)`; when every row is at the same length, one slice write per tensor (a
+    windowed layer's ring cache always takes the module's own path)."""
     starts = lengths.tolist()
-    if min(starts) != max(starts):
+    if min(starts) != max(starts) or attention.sliding_window is not None:
         return attention(hidden_BTD, kv, lengths)
     q, k, v = attention.project(hidden_BTD)
     start, new = starts[0], hidden_BTD.shape[1]

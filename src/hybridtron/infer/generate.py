@@ -20,6 +20,7 @@ import sys
 import time
 
 from hybridtron.infer.engine import load_engine
+from hybridtron.infer.speculative import why_no_drafting
 from hybridtron.infer.sampling import ParamError, SamplingParams
 
 
@@ -108,7 +109,7 @@ def run(args) -> int:
     engine = load_engine(args.model, speculative=speculative, draft_length=args.draft_length,
                          state_quant=args.state_quant, compile=args.compile, **chunk)
     if args.speculative and not engine.speculative:
-        raise ValueError(f"--speculative: {args.model} has no MTP block to draft with; use --no-speculative")
+        raise ValueError(f"--speculative: {args.model}: {why_no_drafting(engine.model)}")
     prompt_ids = engine.encode(args.prompt)
     room = engine.max_context - len(prompt_ids)
     if room < 1:

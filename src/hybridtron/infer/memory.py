@@ -4,6 +4,9 @@
 The crossover is the shortest context at which the KV cache of a sequence is at least as large as its Mamba state:
 below it the constant Mamba state dominates, above it the KV cache does. Ultra, FP8 KV, fp32 SSM + bf16 conv:
 6,144 B/token, 389 MiB of state, crossover at 66,400 tokens (65,536 = 64K counting the SSM state alone).
+Windowed attention layers (`config.sliding_window`) stop growing at their window (`model.memory.kv_cache_bytes`):
+`kv_per_token` is the growth within every window; the totals, the crossover and the slots count a windowed layer's
+window only.
 
 Slots for a memory budget (`--budget-gib`): the engine (`hybridtron.infer.engine.HybridEngine(memory_budget_gib=
 ...)`) keeps one slot per sequence it decodes at once, each holding a sequence's KV cache at the full context, its
@@ -25,7 +28,7 @@ from dataclasses import asdict, dataclass
 from hybridtron.config import ATTENTION, MAMBA, PRESETS, ModelConfig, preset
 from hybridtron.model.memory import (
     BYTES_PER_ELEMENT, CONV_DTYPES, KV_DTYPES, STATE_DTYPES, conv_state_bytes, count_layers, kv_bytes_per_token,
-    mamba_state_bytes, ssm_state_bytes,
+    kv_bytes_per_layer_token, kv_cache_bytes, mamba_state_bytes, ssm_state_bytes,
 )
 
 CATCH_UP_WIDTH = 64  # positions a speculative engine's drafter may lag the backbone (`hybridtron.infer.speculative`)
@@ -40,10 +43,24 @@ def crossover_context(kv_per_token: int, state_per_sequence: int) -> int | None:
     return math.ceil(state_per_sequence / kv_per_token)
 
 
+def windowed_crossover(config: ModelConfig, kv_dtype: str, state_per_sequence: int, include_mtp: bool) -> int | None:
+    """`crossover_context` when windowed layers stop growing at their window: the shortest context whose
+    `kv_cache_bytes` is >= the state; None if it never is."""
+    within_window = crossover_context(kv_bytes_per_token(config, kv_dtype, include_mtp), state_per_sequence)
+    window = config.sliding_window
+    if window is None or within_window is None or within_window <= window:
+        return within_window
+    at_window = kv_cache_bytes(config, window, kv_dtype, include_mtp)
+    full_layers = count_layers(config, ATTENTION, include_mtp) - len(config.windowed_layers)
+    beyond = crossover_context(kv_bytes_per_layer_token(config, kv_dtype) * full_layers,
+                               state_per_sequence - at_window)
+    return None if beyond is None else window + beyond
+
+
 def slot_bytes(config: ModelConfig, context: int, kv_dtype: str = "fp32", state_dtype: str = "fp32",
                conv_dtype: str = "fp32", include_mtp: bool = False) -> int:
     """Cache bytes of one engine slot at `context` positions (see the module docstring)."""
-    total = kv_bytes_per_token(config, kv_dtype) * context + mamba_state_bytes(config, state_dtype, conv_dtype)
+    total = kv_cache_bytes(config, context, kv_dtype) + mamba_state_bytes(config, state_dtype, conv_dtype)
     if include_mtp and config.has_mtp:
         mtp_kv = kv_bytes_per_token(config, kv_dtype, include_mtp=True) - kv_bytes_per_token(config, kv_dtype)
         hidden_bytes = BYTES_PER_ELEMENT[conv_dtype]  # the activation dtype, as the conv state's
@@ -86,6 +103,7 @@ class MemoryReport:
     crossover_tokens: int | None
     crossover_ssm_only_tokens: int | None
     slot_bytes: int  # one engine slot at this context (`slot_bytes`)
+    windowed_attention_layers: int = 0  # of attention_layers, those holding only their sliding_window
     budget_gib: float | None = None
     slots_in_budget: int | None = None
 
@@ -100,16 +118,17 @@ def memory_report(config: ModelConfig, context: int, batch: int = 1, kv_dtype: s
     kv_per_token = kv_bytes_per_token(config, kv_dtype, include_mtp)
     ssm = ssm_state_bytes(config, state_dtype)
     conv = conv_state_bytes(config, conv_dtype)
-    kv_total = kv_per_token * context * batch
+    kv_total = kv_cache_bytes(config, context, kv_dtype, include_mtp) * batch
     mamba_total = (ssm + conv) * batch
     return MemoryReport(
         context=context, batch=batch, kv_dtype=kv_dtype, state_dtype=state_dtype, conv_dtype=conv_dtype,
         attention_layers=count_layers(config, ATTENTION, include_mtp), mamba_layers=count_layers(config, MAMBA),
         kv_per_token=kv_per_token, ssm_state_per_sequence=ssm, conv_state_per_sequence=conv,
         mamba_state_per_sequence=ssm + conv, kv_total=kv_total, mamba_total=mamba_total,
-        total=kv_total + mamba_total, crossover_tokens=crossover_context(kv_per_token, ssm + conv),
-        crossover_ssm_only_tokens=crossover_context(kv_per_token, ssm),
+        total=kv_total + mamba_total, crossover_tokens=windowed_crossover(config, kv_dtype, ssm + conv, include_mtp),
+        crossover_ssm_only_tokens=windowed_crossover(config, kv_dtype, ssm, include_mtp),
         slot_bytes=slot_bytes(config, context, kv_dtype, state_dtype, conv_dtype, include_mtp),
+        windowed_attention_layers=len(config.windowed_layers),
         budget_gib=budget_gib,
         slots_in_budget=None if budget_gib is None else
         slots_for_budget(config, budget_gib, context, kv_dtype, state_dtype, conv_dtype, include_mtp),

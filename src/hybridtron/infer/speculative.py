@@ -94,14 +94,25 @@ class AcceptanceStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
-def check_drafter(model, draft_length: int) -> None:
+def why_no_drafting(model) -> str | None:
+    """Why this model cannot decode speculatively (None: it can)."""
     config = model.config
     if model.mtp is None:
-        raise ValueError("speculative decoding drafts with the MTP block, and this model has none "
-                         "(num_nextn_predict_layers = 0); decode without --speculative")
+        return ("speculative decoding drafts with the MTP block, and this model has none "
+                "(num_nextn_predict_layers = 0); decode without --speculative")
     if MAMBA in config.mtp_layers_block_type:
-        raise ValueError(f"mtp_layers_block_type {config.mtp_layers_block_type}: a Mamba layer inside the MTP block "
-                         f"is not supported by the drafter (only attention, moe and mlp layers)")
+        return (f"mtp_layers_block_type {config.mtp_layers_block_type}: a Mamba layer inside the MTP block is not "
+                f"supported by the drafter (only attention, moe and mlp layers)")
+    if config.sliding_window is not None:  # verification rewinds the caches; a windowed layer's ring cannot
+        return (f"sliding_window {config.sliding_window}: speculative decoding rewinds the KV caches, and a windowed "
+                "layer's ring has overwritten the positions a rewind needs; decode without --speculative")
+    return None
+
+
+def check_drafter(model, draft_length: int) -> None:
+    reason = why_no_drafting(model)
+    if reason is not None:
+        raise ValueError(reason)
     if isinstance(draft_length, bool) or not isinstance(draft_length, int) or \
             not 1 <= draft_length <= MAX_DRAFT_LENGTH:
         raise ValueError(f"draft_length must be an integer in [1, {MAX_DRAFT_LENGTH}], got {draft_length!r}")

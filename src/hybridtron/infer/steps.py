@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridtron.config import ATTENTION, MAMBA, MOE
-from hybridtron.model.attention import Attention
+from hybridtron.model.attention import Attention, windowed_cache_attention
 from hybridtron.model.mamba2 import Mamba2Mixer
 from hybridtron.model.moe import RoutedExperts
 from hybridtron.model.state import KVCache, MambaState
@@ -39,8 +39,12 @@ COMPILED_CACHE_MIN = 256  # positions of a compiled decoder's cache at least (fe
 
 def attention_tokens(attention: Attention, hidden_BTD: torch.Tensor, kv: KVCache,
                      lengths_B: torch.Tensor) -> torch.Tensor:
-    """T new tokens per row: keys and values written at lengths..lengths+T-1, queries over the whole cache."""
+    """T new tokens per row: keys and values written at lengths..lengths+T-1, queries over the whole cache (a
+    windowed layer's: over its ring, `windowed_cache_attention`)."""
     q, k, v = attention.project(hidden_BTD)  # [B, heads, T, head_dim]
+    if attention.sliding_window is not None:
+        out = windowed_cache_attention(q, k, v, kv, lengths_B, attention.sliding_window)
+        return attention.o_proj(out.transpose(1, 2).flatten(-2))
     batch, _, tokens, _ = q.shape
     positions_BT = lengths_B[:, None] + torch.arange(tokens, device=lengths_B.device)
     rows_B1 = torch.arange(batch, device=lengths_B.device)[:, None]

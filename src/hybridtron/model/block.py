@@ -16,11 +16,12 @@ from hybridtron.model.moe import MoE
 from hybridtron.model.norm import RMSNorm
 
 
-def build_mixer(kind: str, config: ModelConfig) -> nn.Module:
+def build_mixer(kind: str, config: ModelConfig, sliding_window: int | None = None) -> nn.Module:
+    """`sliding_window`: an attention layer's window (`config.attention_window(layer)`); None for full attention."""
     if kind == MAMBA:
         return Mamba2Mixer(config)
     if kind == ATTENTION:
-        return Attention(config)
+        return Attention(config, sliding_window)
     if kind == MOE:
         return MoE(config)
     if kind == MLP_KIND:
@@ -44,11 +45,11 @@ def run_mixer(kind: str, mixer: nn.Module, normed_BTD: torch.Tensor, layer_cache
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, kind: str):
+    def __init__(self, config: ModelConfig, kind: str, sliding_window: int | None = None):
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.mixer = build_mixer(kind, config)
+        self.mixer = build_mixer(kind, config, sliding_window)
 
     def forward(self, hidden_BTD: torch.Tensor, layer_cache=None, lengths=None, expert_ids=None,
                 mixer_fn=run_mixer, seq_idx=None) -> torch.Tensor:

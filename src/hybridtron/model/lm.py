@@ -54,7 +54,8 @@ class Backbone(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, kind) for kind in config.layers_block_type)
+        self.layers = nn.ModuleList(Block(config, kind, config.attention_window(index))
+                                    for index, kind in enumerate(config.layers_block_type))
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 

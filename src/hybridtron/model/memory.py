@@ -3,7 +3,8 @@ bytes, which the memory command and the engine's slots (`hybridtron.infer.memory
 (`hybridtron.dist.serving`) all read.
 
 Attention layers cache one K and one V row per token: `attention layers * 2 * kv heads * head_dim * bytes`
-per token, growing with the context. Mamba-2 layers keep a constant state per sequence:
+per token, growing with the context, except a windowed layer's (`config.windowed_layers`), which holds at most its
+last `sliding_window` tokens (`kv_cache_bytes`). Mamba-2 layers keep a constant state per sequence:
   - SSM state [heads, head_dim, ssm_state_size] (fp32 by default; the report's figure of 384 MiB for Ultra is
     this part only: 256 * 64 * 128 * 4 B * 48 layers),
   - conv state [conv_kernel - 1, inner + 2 * n_groups * ssm_state_size]: the last K-1 conv inputs (bf16 by default,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 
 from hybridtron.config import ATTENTION, MAMBA, ModelConfig
+from hybridtron.model.state import kv_slots
 
 BYTES_PER_ELEMENT = {"fp8": 1, "int8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 KV_DTYPES = ("fp8", "bf16", "fp16", "fp32")
@@ -42,14 +44,27 @@ def count_layers(config: ModelConfig, kind: str, include_mtp: bool = False) -> i
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: str = "fp8", include_mtp: bool = False) -> int:
-    """K and V of every attention layer for one token of one sequence.
+    """K and V of every attention layer for one token of one sequence (while the context is within every layer's
+    window: a windowed layer stops growing there, see `kv_cache_bytes`).
 
     include_mtp adds the MTP block's attention layer: a speculative decoder caches its keys and values too (one
     cache for the stored block, shared by its depths, as vLLM lays it out).
     """
-    element = dtype_bytes(dtype, KV_DTYPES, "kv dtype")
-    layers = count_layers(config, ATTENTION, include_mtp)
-    return layers * 2 * config.num_key_value_heads * config.head_dim * element
+    return count_layers(config, ATTENTION, include_mtp) * kv_bytes_per_layer_token(config, dtype)
+
+
+def kv_bytes_per_layer_token(config: ModelConfig, dtype: str = "fp8") -> int:
+    """K and V of one attention layer for one token."""
+    return 2 * config.num_key_value_heads * config.head_dim * dtype_bytes(dtype, KV_DTYPES, "kv dtype")
+
+
+def kv_cache_bytes(config: ModelConfig, context: int, dtype: str = "fp8", include_mtp: bool = False) -> int:
+    """K and V of every attention layer for one sequence of `context` tokens: `kv_bytes_per_token` x context, but a
+    windowed layer counts only min(context, sliding_window) positions (the MTP block's attention is never windowed)."""
+    per_layer = kv_bytes_per_layer_token(config, dtype)
+    windowed = config.windowed_layers
+    full_layers = count_layers(config, ATTENTION, include_mtp) - len(windowed)
+    return per_layer * (full_layers * context + len(windowed) * kv_slots(context, config.sliding_window))
 
 
 def ssm_state_bytes(config: ModelConfig, dtype: str = "fp32") -> int:

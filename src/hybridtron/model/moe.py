@@ -5,11 +5,13 @@
     w = s[chosen] / sum (norm_topk_prob) * routed_scaling_factor
     y = fc2_latent( sum_k w_k * down_e(relu(up_e(fc1_latent(x)))^2) ) + shared(x)
 
-Without `moe_latent_size` the latent projections are absent and the experts work at full width. The router's
-weight and bias stay fp32 whatever the model dtype: the bias drifts to values near 2^6 where bf16 would erase the
-small differences that decide the selection. Routing replay (R3, for RL): a forward may be given the experts to use
-per token; the weights then come from the current scores at those experts. Each forward leaves its expert choices
-in `last_expert_ids`;
+Without `moe_latent_size` the latent projections are absent and the experts work at full width. Two optional
+RMSNorms (Marin's options, off by default): `moe_latent_norm` normalises fc1_latent's output before the routed
+experts read it (`latent_norm`), `moe_output_norm` normalises the block's output y before the residual add
+(`output_norm`). The router's weight and bias stay fp32 whatever the model dtype: the bias drifts to values near 2^6
+where bf16 would erase the small differences that decide the selection. Routing replay (R3, for RL): a forward may
+be given the experts to use per token; the weights then come from the current scores at those experts. Each forward
+leaves its expert choices in `last_expert_ids`;
 `last_expert_counts` counts the tokens routed to each expert (the balancing update and MaxVio read it).
 `MoE.decode_step` is the form for a compiled decode step: no kept choices, no shape that depends on them.
 """
@@ -22,6 +24,7 @@ from torch import nn
 
 from hybridtron.config import ModelConfig
 from hybridtron.model.mlp import MLP, relu2
+from hybridtron.model.norm import RMSNorm
 from hybridtron.ops.autocast import fp32_island
 from hybridtron.ops.grouped_mm import grouped_mm
 
@@ -129,8 +132,12 @@ class MoE(nn.Module):
         if self.latent:
             self.fc1_latent_proj = nn.Linear(config.hidden_size, config.moe_latent_size, bias=config.mlp_bias)
             self.fc2_latent_proj = nn.Linear(config.moe_latent_size, config.hidden_size, bias=config.mlp_bias)
+        # None when off: a model without the options has the parameter names it always had
+        self.latent_norm = RMSNorm(config.moe_latent_size, config.layer_norm_epsilon) \
+            if config.moe_latent_norm else None
         self.experts = RoutedExperts(config.n_routed_experts, config.expert_width, config.moe_intermediate_size)
         self.shared_experts = MLP(config.hidden_size, config.moe_shared_expert_intermediate_size, config.mlp_bias)
+        self.output_norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon) if config.moe_output_norm else None
         self.last_expert_ids: torch.Tensor | None = None
 
     @property
@@ -153,22 +160,49 @@ class MoE(nn.Module):
         """`expert_ids` [..., k] (the leading shape of `hidden_BTD`): replay these routing choices (see Router)."""
         x_SD = hidden_BTD.flatten(0, -2)
         expert_ids, weights = self.route(x_SD, None if expert_ids is None else expert_ids.reshape(x_SD.shape[0], -1))
-        routed_in = self.fc1_latent_proj(x_SD) if self.latent else x_SD
-        routed = (experts_fn or self.experts)(routed_in, expert_ids, weights)
-        if self.latent:
-            routed = self.fc2_latent_proj(routed)
-        return (routed + self.shared_experts(x_SD)).view_as(hidden_BTD)
+        routed = (experts_fn or self.experts)(self.expert_input(x_SD), expert_ids, weights)
+        return self.combine(routed, x_SD).view_as(hidden_BTD)
+
+    def expert_input(self, x_SD: torch.Tensor) -> torch.Tensor:
+        """What the routed experts read: the (normalised) latent, or x itself without LatentMoE."""
+        if not self.latent:
+            return x_SD
+        latent_SL = self.fc1_latent_proj(x_SD)
+        return latent_SL if self.latent_norm is None else self.latent_norm(latent_SL)
+
+    def combine(self, routed_SL: torch.Tensor, x_SD: torch.Tensor) -> torch.Tensor:
+        """The block's output from the routed experts' sum: back to full width, plus the shared expert, normalised
+        when `output_norm` is on."""
+        routed_SD = self.fc2_latent_proj(routed_SL) if self.latent else routed_SL
+        out_SD = routed_SD + self.shared_experts(x_SD)
+        return out_SD if self.output_norm is None else self.output_norm(out_SD)
 
     def decode_step(self, x_SD: torch.Tensor) -> torch.Tensor:
         """`forward` on [tokens, D] for a compiled decode step: the choices are not kept (`last_expert_ids` is a
         side effect a compiled graph does not return) and the experts run by index (`RoutedExperts.decode_step`)."""
         expert_ids, weights = self.gate(x_SD)
-        routed_in = self.fc1_latent_proj(x_SD) if self.latent else x_SD
-        routed = self.experts.decode_step(routed_in, expert_ids, weights)
-        if self.latent:
-            routed = self.fc2_latent_proj(routed)
-        return routed + self.shared_experts(x_SD)
+        return self.combine(self.experts.decode_step(self.expert_input(x_SD), expert_ids, weights), x_SD)
+
+
+def rms_norm_ref(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`w * x / sqrt(mean(x^2) + eps)`, normalised in fp32, as written."""
+    x32 = x.float()
+    return (norm.weight * (x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps))).to(x.dtype)
 
 
 def moe_ref(moe: MoE, hidden_BTD: torch.Tensor) -> torch.Tensor:
-    return moe(hidden_BTD, experts_fn=lambda x, ids, w: routed_experts_ref(moe.experts, x, ids, w))
+    """The module docstring's equation term by term: the loop over experts and the optional norms written out."""
+    x_SD = hidden_BTD.flatten(0, -2)
+    expert_ids, weights = moe.route(x_SD)
+    routed_in = x_SD
+    if moe.latent:
+        routed_in = moe.fc1_latent_proj(x_SD)
+        if moe.latent_norm is not None:
+            routed_in = rms_norm_ref(moe.latent_norm, routed_in)
+    routed = routed_experts_ref(moe.experts, routed_in, expert_ids, weights)
+    if moe.latent:
+        routed = moe.fc2_latent_proj(routed)
+    out = routed + moe.shared_experts(x_SD)
+    if moe.output_norm is not None:
+        out = rms_norm_ref(moe.output_norm, out)
+    return out.view_as(hidden_BTD)

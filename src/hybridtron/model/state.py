@@ -1,10 +1,11 @@
 """The model's recurrent state: what a forward continues from when a sequence is read piece by piece.
 
 An attention layer keeps the keys and values of every position so far (`KVCache`, preallocated to `max_len`
-positions); a Mamba layer keeps a state of constant size (`MambaState`): the raw conv inputs of the last
-`conv_kernel - 1` tokens and the [heads, head_dim, state] SSM state, fp32 by default. `LayerStates` holds one of
-them (or None, for MoE and MLP layers) per layer, and each sequence's length: the number of positions already in
-it. Sequences of one batch may have different lengths.
+positions), a windowed one (`config.windowed_layers`) only those of its last `sliding_window` positions, in a ring
+(`attention.windowed_cache_attention`); a Mamba layer keeps a state of constant size (`MambaState`): the raw conv
+inputs of the last `conv_kernel - 1` tokens and the [heads, head_dim, state] SSM state, fp32 by default.
+`LayerStates` holds one of them (or None, for MoE and MLP layers) per layer, and each sequence's length: the number
+of positions already in it. Sequences of one batch may have different lengths.
 
 `HybridLM.forward(ids, cache=states)` and `HybridLM.decode_step(ids, states)` read and advance a `LayerStates` in
 place. What serving adds on top (rewinding after speculative verification, SSM state stored in lower precision,
@@ -24,8 +25,15 @@ from hybridtron.config import ATTENTION, MAMBA, ModelConfig
 
 @dataclass
 class KVCache:
-    k_BHTD: torch.Tensor  # [batch, kv heads, max_len, head_dim]
+    k_BHTD: torch.Tensor  # [batch, kv heads, max_len, head_dim]; a windowed layer's: min(max_len, window) slots
     v_BHTD: torch.Tensor
+    window: int | None = None  # the layer's sliding window: position p is in slot p % slots
+
+
+def kv_slots(max_len: int, window: int | None) -> int:
+    """Positions an attention layer's cache holds for sequences of `max_len`: all, or a windowed layer's last
+    `window` (fewer slots than the window only when no sequence outgrows them: such a ring never wraps)."""
+    return max_len if window is None else min(max_len, window)
 
 
 @dataclass
@@ -36,13 +44,16 @@ class MambaState:
 
 def allocate_layers(config: ModelConfig, batch: int, max_len: int, *, dtype=torch.float32, device="cpu",
                     state_dtype=torch.float32, kinds: tuple[str, ...] | None = None) -> list:
-    """Zero states, one per layer of `kinds` (default: the backbone's layers): KVCache, MambaState or None."""
+    """Zero states, one per layer of `kinds` (default: the backbone's layers, whose windowed attention layers get a
+    ring of their window; other kinds, e.g. the MTP block's, attend in full): KVCache, MambaState or None."""
     layers = []
-    for kind in kinds or config.layers_block_type:
+    windows = [config.attention_window(i) for i in range(config.num_hidden_layers)] if kinds is None else \
+        [None] * len(kinds)
+    for kind, window in zip(kinds or config.layers_block_type, windows):
         if kind == ATTENTION:
-            shape = (batch, config.num_key_value_heads, max_len, config.head_dim)
+            shape = (batch, config.num_key_value_heads, kv_slots(max_len, window), config.head_dim)
             layers.append(KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                                  torch.zeros(shape, dtype=dtype, device=device)))
+                                  torch.zeros(shape, dtype=dtype, device=device), window))
         elif kind == MAMBA:
             layers.append(MambaState(
                 torch.zeros(batch, config.conv_channels, config.conv_kernel - 1, dtype=dtype, device=device),
@@ -58,7 +69,7 @@ def select_layers(layers: list, rows: slice) -> list:
     selected = []
     for layer in layers:
         if isinstance(layer, KVCache):
-            selected.append(KVCache(layer.k_BHTD[rows], layer.v_BHTD[rows]))
+            selected.append(KVCache(layer.k_BHTD[rows], layer.v_BHTD[rows], layer.window))
         elif isinstance(layer, MambaState):
             selected.append(MambaState(layer.conv_BCK[rows], layer.ssm_BHPN[rows]))
         else:

@@ -41,6 +41,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 ALL = "all"  # RESUMABLE: every field of the section may change on resume
+OPTIMIZERS = ("adamw", "adamh", "muonh", "muon")  # train.optimizer (hybridtron.train.optimizers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,9 @@ class TrainConfig:
     decay_fraction: float = 0.3  # the last share of the run's steps decays linearly (a fraction of train.steps)
     # the optimizer step
     grad_accum: int = 1  # micro-batches per optimizer step (gradients summed in fp32)
+    optimizer: str = "adamw"  # adamw | adamh | muonh | muon: the matrices' update rule (docs/pretraining.md)
+    adam_lr: float | None = None  # adamh/muonh/muon: peak LR of the tensors left to AdamW; none = train.lr
+    momentum: float = 0.95  # muon/muonh: Nesterov momentum
     weight_decay: float = 0.1  # AdamW's, on every weight of 2 or more dimensions (not on norms and biases)
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.95  # AdamW's second-moment decay
@@ -83,8 +87,10 @@ class TrainConfig:
     # A resumed run may change the schedule (a longer run, another LR), the optimizer's hyperparameters, the
     # balancing rate, the cadence of evaluation, logging and checkpoints, and how the process runs. The batch
     # (grad_accum), the number formats and the seed define the run: a change there is a new run (or a branch).
+    # The optimizer itself (train.optimizer) defines the run: its state does not carry over to another one.
     RESUMABLE: ClassVar = ("steps", "lr", "min_lr_ratio", "warmup_steps", "decay_fraction", "weight_decay", "beta1",
-                           "beta2", "eps", "grad_clip", "mtp_loss_weight", "router_bias_rate", "maxvio_window",
+                           "beta2", "eps", "adam_lr", "momentum", "grad_clip", "mtp_loss_weight", "router_bias_rate",
+                           "maxvio_window",
                            "val_every", "log_every", "checkpoint_every", "keep_checkpoints", "threads", "compile",
                            "recompute")
 
@@ -99,6 +105,12 @@ class TrainConfig:
             raise ValueError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.decay_fraction <= 1:
             raise ValueError(f"train.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.adam_lr is not None and not (self.adam_lr > 0 and math.isfinite(self.adam_lr)):
+            raise ValueError(f"train.adam_lr must be a positive finite number or none, got {self.adam_lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"train.momentum must be in [0, 1), got {self.momentum}")
         if self.precision not in ("fp32", "bf16", "nvfp4", "mxfp8"):
             raise ValueError(f"train.precision must be one of fp32, bf16, nvfp4, mxfp8; got {self.precision!r}")
         if self.precision_policy not in ("ultra", "all"):

@@ -8,7 +8,8 @@ One optimizer step, as `Trainer.train` reads:
 2. the gradient norms before clipping (global and per parameter group), then clipping to `grad_clip`;
 3. MaxVio of every router, from this step's globally reduced expert counts;
 4. the stability monitor judges the step: apply, skip, or roll back (hybridtron.train.monitor);
-5. if applied: AdamW with the warmup-stable-decay LR, then every router's bias moves toward balance;
+5. if applied: the optimizer (`train.optimizer`, hybridtron.train.optimizers) with the warmup-stable-decay LR, then
+   every router's bias moves toward balance;
 6. evaluations that are due, then the hooks observe the finished step (metrics, progress bar);
 7. a rollback is carried out here (`roll_back`), otherwise a checkpoint is written when due;
 8. a stop that a signal asked for (Ctrl-C, SIGTERM) is carried out: a checkpoint, then `RunInterrupted`;
@@ -50,22 +51,9 @@ from hybridtron.train.balance import ExpertBalance
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.monitor import ANNEAL, RUN_EVENT, Decision, NoMonitor
 from hybridtron.train.objectives import ObjectiveOutput
+from hybridtron.train.optimizers import build_optimizer, set_learning_rate
 from hybridtron.train.schedule import WSDSchedule
 from hybridtron.train.stats import StepStats, group_norms, parameter_group
-
-
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (norm weights, biases and Mamba's per-head A, D, dt_bias are exempt).
-    With `train.compile` in one process, torch's fused AdamW kernel (one pass over each tensor, not one per
-    elementwise op); otherwise foreach (the bit-for-bit reference, and what sharded DTensors take)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = config.compile and not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-                             foreach=not fused, fused=fused)
 
 
 class Trainer:
@@ -116,7 +104,7 @@ class Trainer:
             if self.parallel is not None:  # local signals may differ across ranks: rank 0 decides for all
                 decision = self.parallel.broadcast_object(decision)
             if decision.applies:
-                self.apply_update(stats)  # AdamW, then every router's bias toward balance
+                self.apply_update(stats)  # the optimizer, then every router's bias toward balance
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
             stats.seconds = time.perf_counter() - stats.seconds
@@ -208,8 +196,7 @@ class Trainer:
         stats.grad_norm = float(norm)
 
     def apply_update(self, stats: StepStats) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = stats.lr
+        set_learning_rate(self.optimizer, stats.lr)
         self.optimizer.step()
         self.balance.update(self.model.router_biases())
 

@@ -50,7 +50,7 @@ import torch
 
 from hybridtron.checkpoint.dcp import CheckpointManager, step_of
 from hybridtron.checkpoint.hf import save_pretrained
-from hybridtron.config import ModelConfig
+from hybridtron.config import HYBRIDTRON_H, ModelConfig
 from hybridtron.data.chat import save_tokenizer_files
 from hybridtron.dist.config import DistConfig
 from hybridtron.dist.mesh import init_parallel, run_device
@@ -65,6 +65,7 @@ from hybridtron.train.hooks import MetricsLogger, ProgressBar
 from hybridtron.train.loop import Trainer
 from hybridtron.train.monitor import RUN_EVENT, build_monitor
 from hybridtron.train.objectives import LoaderBatches
+from hybridtron.train.optimizers import ADAMW, split_summary
 from hybridtron.train.preflight import bf16_warning, check_memory
 
 DIVERGED_EXIT = 4  # a run whose validation loss ended far above its start
@@ -498,6 +499,8 @@ def assemble_trainer(model, objective, batches, evaluators, *, train, monitor_co
             monitor.events.newline_first = hooks[-1].interactive
     if faults is not None:  # the drill installs itself from outside the loop
         hooks.append(faults)
+    if main and not quiet and train.optimizer != ADAMW:  # which tensors the matrix optimizer takes
+        print(split_summary(model, train), file=stream)
     return Trainer(model, objective, batches, train, checkpoints, hooks=hooks, evaluators=evaluators,
                    monitor=monitor, parallel=parallel)
 
@@ -519,7 +522,11 @@ def export_model(trainer, hf_dir: Path, tokenizer, model_max_length: int | None 
             model.load_state_dict(state)
     writes = parallel is None or parallel.is_main
     if writes:
-        save_pretrained(model, hf_dir)
+        blocker = trainer.model.config.nemotron_h_blocker()
+        if blocker is not None:
+            print(f"[export] {hf_dir} is in hybridtron's own format (model_type {HYBRIDTRON_H!r}: hybridtron loads it, "
+                  f"transformers refuses it): {blocker}", file=sys.stderr)
+        save_pretrained(model, hf_dir, nemotron_h=False)
         save_tokenizer_files(tokenizer, hf_dir, model_max_length=model_max_length)
     if parallel is not None:
         parallel.barrier()
