@@ -73,6 +73,21 @@ def decoding_model():
     return _decoding_model
 
 
+def _seq_idx_by_hand(ids_BT: torch.Tensor, bos: int) -> torch.Tensor:
+    seq_idx = torch.zeros_like(ids_BT)
+    for r in range(ids_BT.shape[0]):
+        for t in range(1, ids_BT.shape[1]):
+            seq_idx[r, t] = seq_idx[r, t - 1] + int(ids_BT[r, t] == bos)
+    return seq_idx
+
+
+@pytest.fixture(scope="session")
+def seq_idx_by_hand():
+    """`seq_idx_by_hand(ids_BT, bos)`: the document mask spelled out, position by position: each row starts at
+    document 0 and moves to the next at every bos after its first position."""
+    return _seq_idx_by_hand
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """A run directory of `hybridtron pretrain` trained for 30 steps on a few stdlib families (a 512-token vocabulary,

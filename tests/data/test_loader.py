@@ -72,16 +72,7 @@ def test_pack_rows_matches_reference(document_mask):
         assert (fast.seq_idx is None) == (not document_mask)
 
 
-def seq_idx_by_hand(ids_BT: torch.Tensor, bos: int) -> torch.Tensor:
-    """The document mask spelled out: each row starts at 0, one more at each bos after its first position."""
-    seq_idx = torch.zeros_like(ids_BT)
-    for r in range(ids_BT.shape[0]):
-        for t in range(1, ids_BT.shape[1]):
-            seq_idx[r, t] = seq_idx[r, t - 1] + int(ids_BT[r, t] == bos)
-    return seq_idx
-
-
-def test_seq_idx_counts_documents_within_each_row(synthetic_loader):
+def test_seq_idx_counts_documents_within_each_row(synthetic_loader, seq_idx_by_hand):
     loader, _ = synthetic_loader(LENGTHS, [0.25] * 4, seq_len=16, batch_size=3, document_mask=True)
     plain, _ = synthetic_loader(LENGTHS, [0.25] * 4, seq_len=16, batch_size=3)
     opened_mid_document = opened_at_bos = 0
@@ -219,7 +210,7 @@ def test_validation_batches_pad_the_tail(small_data_config):
     assert int((labels != IGNORE_INDEX).sum()) == report.val_tokens - report.val_documents
 
 
-def test_document_mask_of_build_data(small_data_config):
+def test_document_mask_of_build_data(small_data_config, seq_idx_by_hand):
     """data.document_mask=true: training and validation batches carry seq_idx; the stream is unchanged."""
     masked = build_data(small_data_config(document_mask=True, val_batches=None))
     plain = build_data(small_data_config(val_batches=None))

@@ -22,15 +22,6 @@ from hybridtron.train.objectives import token_stage_inputs
 from hybridtron.train.pretrain import build_pretraining
 
 
-def seq_idx_by_hand(ids_BT: torch.Tensor, bos: int) -> torch.Tensor:
-    """Each row starts at document 0 and moves to the next at every bos after its first position."""
-    seq_idx = torch.zeros_like(ids_BT)
-    for r in range(ids_BT.shape[0]):
-        for t in range(1, ids_BT.shape[1]):
-            seq_idx[r, t] = seq_idx[r, t - 1] + int(ids_BT[r, t] == bos)
-    return seq_idx
-
-
 @pytest.fixture(scope="module")
 def short_documents(tmp_path_factory):
     """Short records, so that every 64-token row packs several documents."""
@@ -42,7 +33,8 @@ def short_documents(tmp_path_factory):
     return root
 
 
-def test_a_masked_pretraining_step_is_the_model_loss_under_a_hand_made_mask(short_documents, small_config):
+def test_a_masked_pretraining_step_is_the_model_loss_under_a_hand_made_mask(short_documents, small_config,
+                                                                          seq_idx_by_hand):
     data = DataConfig(source=str(short_documents / "short.jsonl"), vocab_size=512, seq_len=64, batch_size=2,
                       val_fraction=0.1, val_batches=1, document_mask=True, cache_dir=str(short_documents / "cache"))
     config = RunConfig(model=small_config(vocab_size=512), data=data,

@@ -103,11 +103,15 @@ def run_tasks(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- loss
-def add_loss_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_and_lengths(parser: argparse.ArgumentParser, lengths_help: str) -> None:
+    """The two options every long-context evaluation takes."""
     parser.add_argument("--model", required=True, help="a checkpoint directory with its tokenizer.json, or a run "
                                                        "directory with an hf/ export (required)")
-    parser.add_argument("--lengths", required=True, help="window lengths in tokens, e.g. 256,1k,2k (k = 1024) "
-                                                         "(required)")
+    parser.add_argument("--lengths", required=True, help=f"{lengths_help} (required)")
+
+
+def add_loss_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_and_lengths(parser, "window lengths in tokens, e.g. 256,1k,2k (k = 1024)")
     parser.add_argument("--data", default=DEFAULT_SOURCE,
                         help=f"the documents: stdlib-repos (each stdlib package one long document), stdlib, a .jsonl "
                              f"or .parquet file (a `text` field) or a directory of text files (default: "
@@ -154,10 +158,7 @@ def run_loss(args) -> int:
 
 # -------------------------------------------------------------------------------------------------- ruler
 def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a checkpoint directory with its tokenizer.json, or a run "
-                                                       "directory with an hf/ export (required)")
-    parser.add_argument("--lengths", required=True, help="context lengths in tokens (prompt + answer), e.g. "
-                                                         "1k,4k,16k (required)")
+    add_model_and_lengths(parser, "context lengths in tokens (prompt + answer), e.g. 1k,4k,16k")
     parser.add_argument("--tasks", default=",".join(TASKS),
                         help=f"tasks, comma-separated (default: all of RULER's synthetic ones: {', '.join(TASKS)})")
     parser.add_argument("--samples", type=int, default=10, help="prompts per task and length (default: 10)")
