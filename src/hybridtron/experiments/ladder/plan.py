@@ -158,7 +158,7 @@ def rung_of(member_: Member, budget: float, base: RunConfig) -> Rung:
     per_token = flops_per_token(member_, base.data.seq_len)
     steps = max(1, round(budget / (per_token * tokens_per_step)))
     tokens = steps * tokens_per_step
-    return Rung(name=f"{budget:.0e}".replace("e+", "e") + f"_h{member_.hidden}_L{member_.layers}", budget=budget,
+    return Rung(name=f"{budget:.2g}".replace("e+", "e") + f"_h{member_.hidden}_L{member_.layers}", budget=budget,
                 hidden=member_.hidden, layers=member_.layers, params=member_.params,
                 active_params=member_.active_params, steps=steps, tokens=tokens, flops=per_token * tokens,
                 six_nd=6.0 * member_.active_params * tokens)
