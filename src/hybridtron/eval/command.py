@@ -35,6 +35,11 @@ from hybridtron.infer.memory import human_bytes, slot_bytes
 from hybridtron.train.long_context import PHASE_DATA
 from hybridtron.train.preflight import available_memory
 
+try:  # the optional `eval` extra: lm-evaluation-harness, which the adapter plugs into (only `eval harness` needs it)
+    from hybridtron.eval import lm_eval_adapter
+except ImportError as missing:
+    lm_eval_adapter, LM_EVAL_MISSING = None, str(missing)
+
 THINKING = {"auto": None, "on": True, "off": False}
 # the share of a source's origins held out by default: the long-context phase's data.val_fraction, so that `eval
 # loss` reads documents the phase never trained on
@@ -222,11 +227,9 @@ def add_harness_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_harness(args) -> int:
-    try:
-        from hybridtron.eval import lm_eval_adapter  # the optional `eval` extra: lm_eval
-    except ModuleNotFoundError as exc:
-        raise ValueError(f"eval harness needs lm-evaluation-harness ({exc}); install it with "
-                         f"`pip install -e .[eval]`") from None
+    if lm_eval_adapter is None:
+        raise ValueError(f"eval harness needs lm-evaluation-harness ({LM_EVAL_MISSING}); install it with "
+                         f"`pip install -e .[eval]`")
     options = {"--include_path": args.include_path, "--num_fewshot": args.num_fewshot, "--limit": args.limit,
                "--output_path": args.output_path}
     argv = ["--model", lm_eval_adapter.MODEL_NAME, "--model_args", f"pretrained={args.model}", "--tasks", args.tasks,
