@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from xdist.scheduler import LoadScopeScheduling
 
 from hybridtron.config import ModelConfig, parse_pattern
 from hybridtron.model.lm import HybridLM
@@ -14,24 +15,41 @@ from hybridtron.model.lm import HybridLM
 torch.set_num_threads(1)
 
 
-# Modules whose tests keep two or more processes busy at once (torchrun worlds, RL role processes, Ray actors).
-# scripts/test.sh runs the suite on two pytest-xdist workers with `--dist loadgroup`: these modules share one group,
-# so one worker runs them one after another while the other worker runs every other module (each module a group of
-# its own, so module fixtures are built once). The one-thread tests use the core a multi-process test does not.
-MULTI_PROCESS_MODULES = {
-    "tests/dist/test_dist_checkpoints.py", "tests/dist/test_dist_rl.py", "tests/dist/test_dist_sft.py",
-    "tests/dist/test_parallel_layouts.py", "tests/dist/test_ring_attention.py", "tests/dist/test_document_mask_cp.py",
-    "tests/dist/test_document_mask_layouts.py", "tests/dist/test_hyperball_dist.py",
-    "tests/post/test_grpo.py", "tests/post/test_mopd.py", "tests/post/test_roles.py",
-}
+# The modules that take longest (measured; most of them keep two or more processes busy at once: torchrun worlds,
+# RL role processes, Ray actors), the longest first. scripts/test.sh runs the suite on two pytest-xdist workers with
+# `--dist loadgroup`: each module is a group, run on one worker (its module fixtures built once), and these start
+# first, so that both workers end on short modules together. (One worker running every multi-process module in turn
+# would be the long pole: they are half the suite's time.)
+LONGEST_MODULES = (
+    "tests/dist/test_dist_checkpoints.py", "tests/experiments/test_ladder.py", "tests/dist/test_dist_rl.py",
+    "tests/post/test_roles.py", "tests/dist/test_parallel_layouts.py", "tests/train/test_pretrain.py",
+    "tests/post/test_grpo.py", "tests/train/test_run_scaffold.py", "tests/post/test_mopd.py",
+    "tests/recipe/test_pipeline.py", "tests/dist/test_dist_sft.py", "tests/dist/test_hyperball_dist.py",
+    "tests/dist/test_ring_attention.py", "tests/train/test_monitor.py", "tests/train/test_report.py",
+    "tests/train/test_fault_injection.py", "tests/dist/test_document_mask_layouts.py", "tests/train/test_golden.py",
+    "tests/infer/test_compiled_decode.py", "tests/train/test_preflight.py",
+)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
-def pytest_collection_modifyitems(config, items):
-    root = config.rootpath
-    for item in items:
-        module = item.path.relative_to(root).as_posix()
-        item.add_marker(pytest.mark.xdist_group("multi-process" if module in MULTI_PROCESS_MODULES else module))
+class ModuleGroupScheduling(LoadScopeScheduling):
+    """`--dist loadgroup` with this suite's groups, its modules, decided here from the node ids: `LONGEST_MODULES`
+    first, then the rest with the most tests first. pytest-xdist's own loadgroup reads the groups from `@group`
+    suffixes it writes into the node ids in each worker; pytest 9.2's structured node ids drop that write
+    (pytest-xdist issue 1386), and every test was then scheduled on its own, module fixtures built on both workers."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return nodeid.split("::", 1)[0]
+
+    def _assign_work_unit(self, node) -> None:
+        longest = next((module for module in LONGEST_MODULES if module in self.workqueue), None)
+        if longest is not None:
+            self.workqueue.move_to_end(longest, last=False)
+        super()._assign_work_unit(node)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: `-p no:xdist` runs have no such hook
+def pytest_xdist_make_scheduler(config, log):
+    return ModuleGroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """Rules the test suite keeps: a test never skips because one of the package's own modules fails to import (a
 broken import must fail); `pytest.importorskip` is for optional third-party packages only. Every test directory is
-collected (pytest's default `norecursedirs` names `dist`, and once silently kept tests/dist out of every run)."""
+collected (pytest's default `norecursedirs` names `dist`, and once silently kept tests/dist out of every run). The
+modules the workers start first exist."""
 
 from __future__ import annotations
 
@@ -31,3 +32,11 @@ def test_every_test_directory_is_collected():
                       for pattern in patterns)]
     assert skipped == []
     assert "dist" not in patterns and (TESTS / "dist" / "test_parallel_layouts.py").is_file()
+
+
+def test_the_modules_scheduled_first_exist(pytestconfig):
+    """A module renamed without tests/conftest.py would silently lose its place at the front of the queue, and a long
+    module started last keeps one worker busy while the other waits."""
+    conftest = pytestconfig.pluginmanager.get_plugin(str(TESTS / "conftest.py"))  # `import conftest` may be another
+    assert [name for name in conftest.LONGEST_MODULES if not (TESTS.parent / name).is_file()] == []
+    assert len(set(conftest.LONGEST_MODULES)) == len(conftest.LONGEST_MODULES)

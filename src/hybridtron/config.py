@@ -50,6 +50,8 @@ MAMBA_ALIASES = {
 
 NEMOTRON_H = "nemotron_h"
 HYBRIDTRON_H = "hybridtron_h"  # the model_type of a model with options nemotron_h cannot express
+# what `hybridtron slice` cut a checkpoint from (source, its layer count, the kept layers): provenance only
+SLICED_FROM_KEY = "hybridtron_sliced_from"
 
 # config.json keys we understand but do not model (transformers writes them; they do not change the math here).
 IGNORED_HF_KEYS = {
@@ -60,6 +62,7 @@ IGNORED_HF_KEYS = {
     "rope_theta", "rope_scaling", "partial_rotary_factor",
     "quantization_config", "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
     "id2label", "label2id", "is_encoder_decoder", "problem_type",  # PreTrainedConfig.to_dict() writes these too
+    SLICED_FROM_KEY,
 }
 
 
@@ -432,6 +435,27 @@ def bench22m(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+DEEP_PATTERN = "MEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEME"
+
+
+def deep(**overrides) -> ModelConfig:
+    """39 narrow layers against one MTP block: Ultra's backbone-to-drafter cost ratio, small enough for a CPU.
+
+    Speculative decoding pays when a draft costs a small share of a plain step; tiny's 8 layers against its
+    2-layer MTP block cap the speedup near 1.5x (BENCHMARKS.md), so this preset exists to measure it where it pays.
+    """
+    base = dict(
+        vocab_size=4096, hidden_size=96, layers_block_type=parse_pattern(DEEP_PATTERN),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, intermediate_size=192,
+        mamba_num_heads=4, mamba_head_dim=24, n_groups=1, ssm_state_size=16, chunk_size=64,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=96, moe_shared_expert_intermediate_size=192,
+        moe_latent_size=48, routed_scaling_factor=2.5,
+        num_nextn_predict_layers=1, max_position_embeddings=8192,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
 NANO3_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 SUPER3_PATTERN = ("MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME")
 ULTRA3_ATTENTION_LAYERS = (7, 14, 23, 32, 39, 48, 57, 64, 73, 82, 89, 98)
@@ -493,7 +517,7 @@ def ultra3(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-PRESETS = {"tiny": tiny, "bench22m": bench22m, "nano3": nano3, "super3": super3, "ultra3": ultra3}
+PRESETS = {"tiny": tiny, "bench22m": bench22m, "deep": deep, "nano3": nano3, "super3": super3, "ultra3": ultra3}
 
 
 def preset(name: str, **overrides) -> ModelConfig:

@@ -94,20 +94,35 @@ def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, l
         assert difference.max() < 1e-4 and (difference > 1e-5).sum() <= max(1, difference.numel() // 10_000), name
 
 
+@pytest.fixture(scope="module")
+def mopd_single(models, tmp_path_factory):
+    """`mopd_single(*extra)`: the run directory of the one-process MOPD run with these arguments, run once (the
+    DP 2 x EP 2 and CP 2 layouts compare with the same one)."""
+    runs = {}
+
+    def run(*extra: str) -> Path:
+        if extra not in runs:
+            out = tmp_path_factory.mktemp("mopd_single") / "single"
+            assert _mopd(models, out, *extra) == 0
+            runs[extra] = out
+        return runs[extra]
+    return run
+
+
 # PP 2: the warmup SFT too, two micro-batches a step (1F1B needs one per stage); every rank gathers the whole
 # student from its pipeline peers for its share of the rollouts
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [("dist.ep=2",), ("dist.cp=2",), ("dist.pp=2", "mopd.warmup_grad_accum=2")],
                          ids=["dp2_ep2", "cp2", "pp2"])
-def test_mopd_with_its_warmup_on_two_processes_matches_one_process(models, tmp_path, layout):
+def test_mopd_with_its_warmup_on_two_processes_matches_one_process(models, mopd_single, tmp_path, layout):
     extra = ("--steps", "2", "--set", "mopd.warmup_steps=2", "--set", "train.lr=1e-3",
              *layout_args(*(setting for setting in layout if setting.startswith("mopd."))))
-    assert _mopd(models, tmp_path / "single", *extra) == 0
+    single = mopd_single(*extra)
     dist_settings = [setting for setting in layout if setting.startswith("dist.")]
     torchrun(mopd_argv(models, tmp_path / "world2", *extra, *layout_args(*dist_settings)), timeout=280)
     assert ranks(records(tmp_path / "world2")) == {2}  # rollouts and teacher scores split over the ranks
-    assert_same_steps(records(tmp_path / "world2"), records(tmp_path / "single"))
-    assert_same_steps(records(tmp_path / "world2" / "warmup"), records(tmp_path / "single" / "warmup"))
+    assert_same_steps(records(tmp_path / "world2"), records(single))
+    assert_same_steps(records(tmp_path / "world2" / "warmup"), records(single / "warmup"))
 
 
 @pytest.mark.parametrize("setting, message", [

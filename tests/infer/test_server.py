@@ -18,6 +18,7 @@ import pytest
 
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.scheduler import EngineError, EngineStats, QueueFull, TokenEvent
+from hybridtron.infer.server import command as server_command
 from hybridtron.infer.server import create_app
 from hybridtron.infer.server.metrics import MetricFamilies
 from hybridtron.infer.text import SequenceText, TextStream
@@ -699,11 +700,7 @@ def test_shutdown_cancels_what_outlives_the_graceful_timeout():
 def serve_command(monkeypatch):
     """`hybridtron serve` with a fake engine and a uvicorn server that returns at once: `calls["load"]` holds
     load_engine's (model_dir, options), `calls["run"]` the server's (config, bound address, app)."""
-    import sys
-    import types
-
     calls = {}
-    fake_engine_module = types.ModuleType("hybridtron.infer.engine")
 
     def load_engine(model_dir, **options):
         calls["load"] = (model_dir, options)
@@ -713,8 +710,7 @@ def serve_command(monkeypatch):
         calls["run"] = (server.config, sockets[0].getsockname(), server.config.app)
         server.started = True
 
-    fake_engine_module.load_engine = load_engine
-    monkeypatch.setitem(sys.modules, "hybridtron.infer.engine", fake_engine_module)
+    monkeypatch.setattr(server_command, "load_engine", load_engine)
     monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.delenv("HYBRIDTRON_API_KEY", raising=False)
     yield calls

@@ -459,14 +459,22 @@ def _same(a, b, atol=0.0):
     return all(torch.allclose(a[name], b[name], rtol=0.0, atol=atol) for name in a)
 
 
+@pytest.fixture(scope="module")
+def inline_staleness_1(policy_dir, tmp_path_factory):
+    """The asynchronous protocol at staleness 1 in this process (the inline backend): what the process and Ray
+    backends must give. (A run is a function of its config: the same whichever test trains it first.)"""
+    return _train(policy_dir, tmp_path_factory.mktemp("grpo_async"), "inline1", async_rollouts=True, staleness=1,
+                  rollout_backend="inline")
+
+
 @pytest.mark.timeout(300)
 def test_async_with_staleness_0_makes_the_synchronous_update_and_staleness_1_is_one_step_behind(policy_dir,
-                                                                                               tmp_path):
+                                                                                               tmp_path,
+                                                                                               inline_staleness_1):
     sync, sync_lines = _train(policy_dir, tmp_path, "sync")
     async0, _ = _train(policy_dir, tmp_path, "async0", async_rollouts=True, staleness=0, rollout_backend="process")
     assert _same(sync, async0)
-    inline1, lines1 = _train(policy_dir, tmp_path, "inline1", async_rollouts=True, staleness=1,
-                             rollout_backend="inline")
+    inline1, lines1 = inline_staleness_1
     # two rollout processes, each generating half of every round: the tokens one process samples, so the protocol,
     # not the timing, fixes which weights sampled each batch. Their log-probs come from forwards of half the rows,
     # which some CPUs' GEMMs round differently (an AVX2 EPYC: one token's log-prob by 5e-7), and the rollout
@@ -482,9 +490,9 @@ def test_async_with_staleness_0_makes_the_synchronous_update_and_staleness_1_is_
 
 
 @pytest.mark.timeout(300)
-def test_the_ray_backend_runs_the_same_protocol(policy_dir, tmp_path):
+def test_the_ray_backend_runs_the_same_protocol(policy_dir, tmp_path, inline_staleness_1):
     pytest.importorskip("ray")
-    inline1, _ = _train(policy_dir, tmp_path, "inline1", async_rollouts=True, staleness=1, rollout_backend="inline")
+    inline1, _ = inline_staleness_1
     ray1, _ = _train(policy_dir, tmp_path, "ray1", async_rollouts=True, staleness=1, rollout_backend="ray")
     assert _same(inline1, ray1)
 

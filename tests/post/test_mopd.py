@@ -357,8 +357,16 @@ def _same(a, b, atol=0.0):
     return all(torch.allclose(a[name], b[name], rtol=0.0, atol=atol) for name in a)
 
 
+@pytest.fixture(scope="module")
+def inline_staleness_1(models, tmp_path_factory):
+    """The asynchronous roles at staleness 1 in this process (the inline backend): what the process and Ray backends
+    must give. (A run is a function of its config: the same whichever test trains it first.)"""
+    return _train(models, tmp_path_factory.mktemp("mopd_async"), "inline1", async_rollouts=True, staleness=1,
+                  rollout_backend="inline")
+
+
 @pytest.mark.timeout(300)
-def test_async_roles_at_staleness_0_make_the_synchronous_update(models, tmp_path):
+def test_async_roles_at_staleness_0_make_the_synchronous_update(models, tmp_path, inline_staleness_1):
     """Rollout and teacher scoring in processes at staleness 0, two replicas each (each generating, then scoring,
     half of the step): the weights of the synchronous run. At
     staleness 1 (inline here; the process and Ray backends run the same protocol, next test) batch 2 was sampled
@@ -375,7 +383,7 @@ def test_async_roles_at_staleness_0_make_the_synchronous_update(models, tmp_path
     assert [line["rollout_ranks"] for line in async_lines] == [2.0, 2.0]
     assert [line["reverse_kl/beta"] for line in sync_lines] == \
         pytest.approx([line["reverse_kl/beta"] for line in async_lines], rel=1e-5)
-    inline1, lines1 = _train(models, tmp_path, "inline1", async_rollouts=True, staleness=1, rollout_backend="inline")
+    inline1, lines1 = inline_staleness_1
     assert not _same(sync, inline1, atol=1e-4)  # batch 2 was sampled with the initial weights (measured: 2e-3)
     assert [line["policy_staleness"] for line in sync_lines] == [0.0, 0.0]
     assert [line["policy_staleness"] for line in lines1] == [0.0, 1.0]
@@ -392,9 +400,9 @@ def test_ray_actors_can_be_placed_by_custom_resources(models):
 
 @pytest.mark.slow  # starting a local Ray cluster takes 30-60 s on 2 cores
 @pytest.mark.timeout(300)
-def test_the_ray_backend_runs_the_same_three_roles(models, tmp_path):
+def test_the_ray_backend_runs_the_same_three_roles(models, tmp_path, inline_staleness_1):
     pytest.importorskip("ray")  # the optional `rl` extra
-    inline1, _ = _train(models, tmp_path, "inline1", async_rollouts=True, staleness=1, rollout_backend="inline")
+    inline1, _ = inline_staleness_1
     ray1, ray_lines = _train(models, tmp_path, "ray1", async_rollouts=True, staleness=1, rollout_backend="ray")
     assert _same(inline1, ray1)
     assert [line["policy_staleness"] for line in ray_lines] == [0.0, 1.0]

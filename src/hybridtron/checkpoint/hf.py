@@ -6,7 +6,10 @@ Megatron-Bridge and vLLM read them). Above `max_shard_bytes` the tensors are spl
 `model.safetensors.index.json`. Router weight and bias are written and kept in fp32 whatever the model dtype.
 
 Loading also accepts what transformers itself may write: `model.` instead of `backbone.` and stacked experts.
-Every problem is reported at once: missing, unexpected and mis-shaped tensors, by name.
+Every problem is reported at once: missing, unexpected and mis-shaped tensors, by name. A post-training quantized
+checkpoint in NVIDIA Model Optimizer's unified format (`hybridtron quantize`: `hf_quant_config.json`, NVFP4 or FP8
+weights with their scales) loads dequantized, into an ordinary model in `dtype` (by default its unquantized
+tensors' dtype).
 
 An export is for `nemotron_h` readers, so `save_pretrained` refuses a model they would misread
 (`ModelConfig.nemotron_h_blocker`): the Marin options (`moe_latent_norm`, `moe_output_norm`: weights transformers has
@@ -31,6 +34,7 @@ from safetensors.torch import save_file
 
 from hybridtron.config import HYBRIDTRON_H, ModelConfig
 from hybridtron.model.lm import HybridLM
+from hybridtron.numerics import ptq
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -38,6 +42,10 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3
 STACKED_EXPERT = re.compile(r"^(.*\.experts)\.(up_proj|down_proj)$")
 PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 FP32_TENSORS = re.compile(r"\.gate\.(weight|e_score_correction_bias)$")
+HF_QUANT_CONFIG = "hf_quant_config.json"  # NVIDIA Model Optimizer's unified checkpoint (hybridtron.deploy.quantize)
+QUANT_ALGOS = ("NVFP4", "FP8")
+# the KV cache's FP8 scales too (kv_cache_quant_algo): hybridtron's cache keeps the dtype it is given
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")
 
 
 class CheckpointError(ValueError):
@@ -75,14 +83,24 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
     hybridtron's own format (module docstring) instead of refusing it."""
     if nemotron_h:
         check_exportable(model.config)
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
     state = {}
     for name, tensor in to_disk_state(model).items():
         if dtype is not None and tensor.is_floating_point() and not FP32_TENSORS.search(name):
             tensor = tensor.to(dtype)
         state[name] = tensor.detach().contiguous().cpu()
 
+    config_dict = model.config.to_hf(export=True)
+    config_dict["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    write_checkpoint(directory, config_dict, state, max_shard_bytes=max_shard_bytes)
+
+
+def write_checkpoint(directory: str | Path, config_dict: dict, state: dict[str, torch.Tensor], *,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra_files: dict[str, bytes] | None = None
+                     ) -> None:
+    """Write config.json, the tensors of `state` (disk names, sharded above `max_shard_bytes`) and `extra_files`
+    ({file name: contents}: a tokenizer, a quantization config) into `directory`, atomically (`save_pretrained`)."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
     shards, current, current_bytes = [], {}, 0
     for name, tensor in state.items():
         if current and current_bytes + tensor.nbytes > max_shard_bytes:
@@ -95,9 +113,9 @@ def save_pretrained(model, directory: str | Path, *, max_shard_bytes: int = DEFA
     # not tempfile.mkdtemp: its directory is private (0o700) whatever the umask, and the rename would publish that
     staging = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     staging.mkdir()
-    config_dict = model.config.to_hf(export=True)
-    config_dict["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
     (staging / "config.json").write_text(json.dumps(config_dict, indent=2))
+    for filename, contents in (extra_files or {}).items():
+        (staging / filename).write_bytes(contents)
     metadata = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], staging / SINGLE_FILE, metadata=metadata)
@@ -178,6 +196,55 @@ def from_disk_state(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[
     return out
 
 
+def quantization_algo(directory: Path) -> str | None:
+    """The quant_algo of a ModelOpt checkpoint (its hf_quant_config.json, else config.json's quantization_config);
+    None for an unquantized one. CheckpointError for a quantization hybridtron does not read."""
+    path = directory / HF_QUANT_CONFIG
+    if path.is_file():
+        try:
+            algo = json.loads(path.read_text())["quantization"]["quant_algo"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path}: expected JSON with quantization.quant_algo ({type(exc).__name__}: "
+                                  f"{exc})") from None
+    else:
+        config_path = directory / "config.json"
+        quant = json.loads(config_path.read_text()).get("quantization_config") if config_path.is_file() else None
+        if not quant:
+            return None
+        if not isinstance(quant, dict) or quant.get("quant_method") != "modelopt":
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise CheckpointError(f"{config_path}: quantization_config.quant_method is {method!r}; hybridtron reads "
+                                  f"NVIDIA Model Optimizer checkpoints (quant_method 'modelopt')")
+        algo, path = quant.get("quant_algo"), config_path
+    if algo not in QUANT_ALGOS:
+        raise CheckpointError(f"{path}: quant_algo {algo!r}; hybridtron reads {' and '.join(QUANT_ALGOS)}")
+    return algo
+
+
+def dequantize_tensors(tensors: dict[str, torch.Tensor], algo: str, where: Path) -> dict[str, torch.Tensor]:
+    """A ModelOpt checkpoint's tensors with each quantized `X.weight` replaced by its fp32 values and the scales
+    dropped (`hybridtron.numerics.ptq` describes the layout)."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.endswith(SCALE_SUFFIXES):
+            continue
+        scale = tensors.get(name + "_scale")
+        if name.endswith(".weight") and scale is not None:
+            if algo == "NVFP4":
+                global_scale = tensors.get(name + "_scale_2")
+                if tensor.dtype != torch.uint8 or global_scale is None:
+                    raise CheckpointError(f"{where}: {name} is {tensor.dtype} with weight_scale"
+                                          f"{'' if global_scale is not None else ' and no weight_scale_2'}; an "
+                                          f"NVFP4 weight is uint8 with weight_scale and weight_scale_2")
+                tensor = ptq.nvfp4_values(tensor, scale, global_scale)
+            else:
+                if tensor.dtype != torch.float8_e4m3fn:
+                    raise CheckpointError(f"{where}: {name} is {tensor.dtype}; an FP8 weight is float8_e4m3fn")
+                tensor = ptq.fp8_values(tensor, scale)
+        out[name] = tensor
+    return out
+
+
 def load_pretrained(directory: str | Path, *, dtype: torch.dtype | None = None, device="cpu",
                     config: ModelConfig | None = None, **config_overrides):
 
@@ -187,7 +254,12 @@ def load_pretrained(directory: str | Path, *, dtype: torch.dtype | None = None, 
     config = config or ModelConfig.from_hf(directory)
     if config_overrides:
         config = config.replace(**config_overrides)
-    state = from_disk_state(read_tensors(directory), config.n_routed_experts)
+    tensors = read_tensors(directory)
+    algo = quantization_algo(directory)
+    if algo is not None:  # dequantized weights are fp32: by default the model takes the unquantized tensors' dtype
+        dtype = dtype or next(t.dtype for name, t in tensors.items() if name.endswith("embeddings.weight"))
+        tensors = dequantize_tensors(tensors, algo, directory)
+    state = from_disk_state(tensors, config.n_routed_experts)
     if not config.has_mtp:  # a checkpoint with an MTP block loads into a model configured without one
         state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     model = HybridLM.on_meta(config)

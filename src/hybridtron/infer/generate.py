@@ -20,8 +20,9 @@ import sys
 import time
 
 from hybridtron.infer.engine import load_engine
-from hybridtron.infer.speculative import why_no_drafting
 from hybridtron.infer.sampling import ParamError, SamplingParams
+from hybridtron.infer.speculative import why_no_drafting
+from hybridtron.ops.compile_cache import use_compile_cache
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compiles them first, tens of seconds on a CPU, which the summary reports; faster per "
                              "token after). Turns speculative decoding off unless --speculative is given (each draft "
                              "length it tries compiles its own step)")
+    parser.add_argument("--compile-cache", metavar="DIR", default=None,
+                        help="with --compile: keep torch.compile's caches in DIR, so that a later run compiling the "
+                             "same steps loads them instead (default: torch's own cache directory)")
 
 
 def summary(count: int, seconds: float, compile_seconds: float | None, stats) -> str:
@@ -101,9 +105,13 @@ def run(args) -> int:
         raise ValueError(f"--{exc.param.replace('_', '-')}: {exc}") from None
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if args.compile_cache and not args.compile:
+        raise ValueError("--compile-cache applies to --compile (nothing is compiled without it)")
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.compile_cache and (warning := use_compile_cache(args.compile_cache)):
+        print(warning, file=sys.stderr)
     chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
     speculative = (not args.compile) if args.speculative is None else args.speculative
     engine = load_engine(args.model, speculative=speculative, draft_length=args.draft_length,

@@ -15,8 +15,17 @@ positions and the drafter's catch-up buffer (that many hidden states); one more 
 `slot_bytes` is exactly what the engine allocates per slot (tests/infer/test_memory.py checks it against the
 engine's caches).
 
+Weights (`--weights nvfp4|fp8|bf16`, `--policy`): the bytes of the model's checkpoint in that format under an
+export policy (`hybridtron.numerics.export_policy`, what `hybridtron quantize` writes), spread evenly over `--gpus`
+GPUs of `--gpu-memory-gib` each, and what each has left for activations, KV cache and Mamba state; the table shows
+all three formats, the asked one marked. Ultra's report: on 8 x H100 an FP8 checkpoint (~540 GiB) leaves ~10 GiB
+per GPU, an NVFP4 one (~330 GiB) ~40 GiB. ultra3 (560B parameters) under `--policy experts`: FP8 554 GiB (10.7
+GiB left), NVFP4 340 GiB (37.5 GiB left); under `ultra` the BF16 tail (16 layers of 512 experts) adds ~105 GiB
+to NVFP4.
+
 `hybridtron memory --preset ultra3 --context 262144 --batch 8 --kv-dtype fp8 --state-dtype fp32`
 `hybridtron memory --config runs/quickstart/hf --kv-dtype fp32 --conv-dtype fp32 --include-mtp --budget-gib 1`
+`hybridtron memory --preset ultra3 --weights nvfp4 --policy experts --gpus 8 --gpu-memory-gib 80`
 """
 
 from __future__ import annotations
@@ -26,10 +35,12 @@ import math
 from dataclasses import asdict, dataclass
 
 from hybridtron.config import ATTENTION, MAMBA, PRESETS, ModelConfig, preset
+from hybridtron.model.lm import HybridLM
 from hybridtron.model.memory import (
     BYTES_PER_ELEMENT, CONV_DTYPES, KV_DTYPES, STATE_DTYPES, conv_state_bytes, count_layers, kv_bytes_per_token,
     kv_bytes_per_layer_token, kv_cache_bytes, mamba_state_bytes, ssm_state_bytes,
 )
+from hybridtron.numerics.export_policy import EXPORT_POLICIES, WEIGHT_FORMATS, weight_bytes
 
 CATCH_UP_WIDTH = 64  # positions a speculative engine's drafter may lag the backbone (`hybridtron.infer.speculative`)
 MiB = 1024 ** 2
@@ -135,6 +146,49 @@ def memory_report(config: ModelConfig, context: int, batch: int = 1, kv_dtype: s
     )
 
 
+@dataclass(frozen=True)
+class WeightsRow:
+    """One weight format's checkpoint bytes and what it leaves per GPU when spread evenly over `gpus`."""
+
+    weights: str
+    policy: str
+    total: int
+    per_gpu: int
+    left_per_gpu: int  # GPU memory less its share of the weights: for activations, KV cache and Mamba state
+    gpus: int
+    gpu_memory: int
+
+
+def weights_table(config: ModelConfig, policy: str = "ultra", gpus: int = 8,
+                  gpu_memory_gib: float = 80.0) -> list[WeightsRow]:
+    """The weights of `config`'s model in each format (`WEIGHT_FORMATS`) under `policy`, per GPU."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"--gpus: expected a number of GPUs >= 1, got {gpus!r}")
+    if not gpu_memory_gib > 0:
+        raise ValueError(f"--gpu-memory-gib: expected a number of GiB > 0, got {gpu_memory_gib!r}")
+    model = HybridLM.on_meta(config)
+    memory = int(gpu_memory_gib * GiB)
+    rows = []
+    for weights in WEIGHT_FORMATS:
+        total = weight_bytes(model, weights, policy).total
+        per_gpu = math.ceil(total / gpus)
+        rows.append(WeightsRow(weights, policy, total, per_gpu, memory - per_gpu, gpus, memory))
+    return rows
+
+
+def format_weights(rows: list[WeightsRow], chosen: str, name: str) -> str:
+    first = rows[0]
+    size, unit = (GiB, "GiB") if max(row.total for row in rows) >= GiB else (MiB, "MiB")
+    lines = [f"{name}: weights under export policy {first.policy!r} on {first.gpus} GPUs of "
+             f"{first.gpu_memory / GiB:g} GiB",
+             f"  {'format':<8}{'total':>14}{'per GPU':>12}{'left per GPU':>15}"]
+    for row in rows:
+        mark = "  <-" if row.weights == chosen else ""
+        lines.append(f"  {row.weights:<8}{row.total / size:>10,.1f} {unit}{row.per_gpu / size:>8,.1f} {unit}"
+                     f"{row.left_per_gpu / size:>11,.1f} {unit}{mark}")
+    return "\n".join(lines)
+
+
 def human_bytes(n: int) -> str:
     """`402653184` -> `384.00 MiB (402,653,184 B)`."""
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
@@ -189,6 +243,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budget-gib", type=float, default=None,
                         help="also print how many engine slots (sequences decoding at once) fit in this much cache "
                              "memory, in GiB; with --include-mtp, a speculative engine's slots (default: none)")
+    parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                        help="also print the checkpoint's weights in this format (and the others) per GPU and what "
+                             "that leaves for activations and cache (default: none)")
+    parser.add_argument("--policy", choices=EXPORT_POLICIES, default="ultra",
+                        help="with --weights: which weights are quantized (hybridtron quantize's --policy) "
+                             "(default: %(default)s)")
+    parser.add_argument("--gpus", type=int, default=8, help="with --weights: GPUs the weights are spread over "
+                                                             "(default: %(default)s)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                        help="with --weights: memory of one GPU in GiB (default: %(default)s, an H100)")
     parser.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
 
 
@@ -203,5 +267,11 @@ def run(args) -> int:
     context = config.max_position_embeddings if args.context is None else args.context
     report = memory_report(config, context, args.batch, args.kv_dtype, args.state_dtype, args.conv_dtype,
                            args.include_mtp, args.budget_gib)
-    print(json.dumps(asdict(report)) if args.json else format_report(report, name))
+    rows = None if args.weights is None else weights_table(config, args.policy, args.gpus, args.gpu_memory_gib)
+    if args.json:
+        print(json.dumps({**asdict(report), **({"weights": [asdict(row) for row in rows]} if rows else {})}))
+    else:
+        print(format_report(report, name))
+        if rows:
+            print(format_weights(rows, args.weights, name))
     return 0

@@ -82,6 +82,8 @@ class TrainConfig:
     seed: int = 0  # model initialization and the stochastic-rounding streams (the data order: data.seed)
     threads: int = 0  # torch intra-op threads; 0 = torch's default
     compile: bool = False  # torch.compile every block in place and the loss; fused AdamW (in one process)
+    compile_cache: str | None = None  # torch.compile's on-disk caches in this directory, shared by runs and ranks
+    #   (hybridtron.ops.compile_cache); none = torch's default (/tmp/torchinductor_$USER)
     recompute: str = "none"  # activation checkpointing per block: none | selective | full
 
     # A resumed run may change the schedule (a longer run, another LR), the optimizer's hyperparameters, the
@@ -92,7 +94,7 @@ class TrainConfig:
                            "beta2", "eps", "adam_lr", "momentum", "grad_clip", "mtp_loss_weight", "router_bias_rate",
                            "maxvio_window",
                            "val_every", "log_every", "checkpoint_every", "keep_checkpoints", "threads", "compile",
-                           "recompute")
+                           "compile_cache", "recompute")
 
     def validate(self) -> None:
         for name in ("steps", "grad_accum", "val_every", "log_every",

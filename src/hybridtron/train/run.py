@@ -60,6 +60,7 @@ from hybridtron.errors import RunInterrupted
 from hybridtron.files import METRICS_FILE, RUN_CONFIG
 from hybridtron.model.lm import HybridLM
 from hybridtron.numerics.policy import convert_for_training
+from hybridtron.ops.compile_cache import use_compile_cache
 from hybridtron.train.config import SectionedConfig, change_config, resume_changes
 from hybridtron.train.hooks import MetricsLogger, ProgressBar
 from hybridtron.train.loop import Trainer
@@ -450,15 +451,18 @@ def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: in
 def prepare_process(train, model_config, micro_batch_tokens: int, stream=None, dist_config=None) -> None:
     """Before anything is built: refuse a run whose share on this rank (the whole of it in one process; under
     torchrun the `[dist]` layout's share, `dist_config`) cannot fit in memory, on every rank; warn of a slow bf16 CPU
-    and of a schedule that will not do what its settings suggest; set the thread count and the seed (model
-    initialization and everything after it draw from it)."""
+    and of a schedule that will not do what its settings suggest; set the thread count, the seed (model
+    initialization and everything after it draw from it) and the compile cache (`train.compile_cache`, on every
+    rank; a directory that cannot be written is one warning line, and the run goes on)."""
     stream = sys.stderr if stream is None else stream
     dist_config = DistConfig() if dist_config is None else dist_config
     check_memory(model_config, micro_batch_tokens, train=train, dist_config=dist_config)
     device = run_device(dist_config)
+    cache_warning = use_compile_cache(train.compile_cache) if train.compile_cache else None
     if is_main_process():
         slow_bf16 = bf16_warning(train.precision, device)
-        for warning in ([slow_bf16] if slow_bf16 else []) + [f"warning: {w}" for w in train.schedule_warnings()]:
+        warnings = [slow_bf16, cache_warning] + [f"warning: {w}" for w in train.schedule_warnings()]
+        for warning in filter(None, warnings):
             print(warning, file=stream)
     if train.threads:
         torch.set_num_threads(train.threads)

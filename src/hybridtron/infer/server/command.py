@@ -13,6 +13,7 @@ import torch
 from hybridtron.infer.engine import load_engine
 from hybridtron.infer.server import create_app, require_serving_dependencies
 from hybridtron.infer.server.settings import API_KEY_ENV, DEFAULT_REQUEST_TIMEOUT_S
+from hybridtron.ops.compile_cache import use_compile_cache
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True,
@@ -36,6 +37,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="compile the decode steps with torch.compile (the first requests of each batch shape "
                              "wait for a compile)")
+    parser.add_argument("--compile-cache", metavar="DIR", default=None,
+                        help="with --compile: keep torch.compile's caches in DIR, so that a later server compiling "
+                             "the same steps loads them instead (default: torch's own cache directory)")
     parser.add_argument("--max-slots", type=int, default=None,
                         help="sequences decoding at once (default: the engine's, 64; or what --memory-budget-gib "
                              "holds)")
@@ -85,6 +89,8 @@ def _check(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0 seconds, got {getattr(args, name)}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name must not be empty")
+    if args.compile_cache and not args.compile:
+        raise ValueError("--compile-cache applies to --compile (nothing is compiled without it)")
     if not Path(args.model).is_dir():
         raise FileNotFoundError(f"{args.model}: no such checkpoint directory")
 
@@ -121,6 +127,8 @@ def run(args) -> int:
     try:
         if args.threads is not None:
             torch.set_num_threads(args.threads)
+        if args.compile_cache and (warning := use_compile_cache(args.compile_cache)):
+            print(warning, file=sys.stderr)
         options = {name: getattr(args, name) for name in ("max_slots", "memory_budget_gib")
                    if getattr(args, name) is not None}
         engine = load_engine(args.model, speculative=not args.no_speculative, draft_length=args.draft_length,
