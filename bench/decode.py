@@ -81,6 +81,12 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens)
 
 
+def variant_label(variant) -> str:
+    """A decoding variant's row label: None is plain decoding, an int a fixed draft length, "adaptive" the default."""
+    return "plain" if variant is None else ("adaptive (the default)" if variant == "adaptive"
+                                            else f"speculative, k = {variant}")
+
+
 # ------------------------------------------------------------------------------------------------ 1. vs HF
 @torch.no_grad()
 def keep_dt_above_time_step_min(model: torch.nn.Module) -> None:
@@ -453,8 +459,7 @@ def bench_checkpoint(args, log) -> str:
              "|---|" + "---:|" * (3 * len(modes))]
     rates = {}
     for variant in variants:
-        label = "plain" if variant is None else ("adaptive (the default)" if variant == "adaptive"
-                                                 else f"speculative, k = {variant}")
+        label = variant_label(variant)
         cells = []
         for mode in modes:
             seconds = sum(best[mode, variant, p] for p in range(len(prompts)))

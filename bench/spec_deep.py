@@ -42,12 +42,12 @@ from hybridtron.infer.cache import HybridCache
 from hybridtron.infer.decoder import Decoder
 from hybridtron.infer.engine import resolve_checkpoint_dir
 from hybridtron.infer.fastpath import lay_out_for_decoding
-from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.speculative import FastForms, SpeculativeDecoder
 from hybridtron.infer.steps import compile_static
 
 import clock
 from clock import timed
+from decode import greedy, variant_label
 
 MODULES = ("json.decoder", "textwrap", "collections", "argparse", "functools", "string", "inspect", "difflib")
 
@@ -61,10 +61,6 @@ def source_prompts(tokenizer, count: int, tokens: int) -> list[list[int]]:
         start = (index // len(MODULES)) * len(source) // 3 % max(len(source) - tokens * 8, 1)
         prompts.append(tokenizer.encode(source[start:start + tokens * 8])[:tokens])
     return prompts
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens)
 
 
 def make_decoder(model, prompts, params, variant, compile: bool, max_draft: int):
@@ -191,8 +187,7 @@ def bench_speed(model, prompts, args, log) -> tuple[str, dict]:
                                          f"bound" for m in modes) + " |",
              "|---|" + "---:|" * (5 * len(modes))]
     for variant in variants:
-        label = "plain" if variant is None else ("adaptive (the default)" if variant == "adaptive"
-                                                 else f"speculative, k = {variant}")
+        label = variant_label(variant)
         cells = []
         for mode in modes:
             seconds = sum(best[mode, variant, p] for p in range(len(prompts)))
