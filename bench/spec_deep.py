@@ -47,7 +47,7 @@ from hybridtron.infer.steps import compile_static
 
 import clock
 from clock import timed
-from decode import greedy, variant_label
+from decode import TimedForms, greedy, variant_label
 
 MODULES = ("json.decoder", "textwrap", "collections", "argparse", "functools", "string", "inspect", "difflib")
 
@@ -227,26 +227,6 @@ def bench_speed(model, prompts, args, log) -> tuple[str, dict]:
 
 
 # -------------------------------------------------------------------------------------------------- profile
-class TimedForms:
-    """`FastForms` whose calls are timed by phase."""
-
-    PHASES = {"catch_up": "catch-up", "chain": "draft chain", "end_chain": "draft chain",
-              "verify": "verification", "rewind": "rollback"}
-
-    def __init__(self, forms, totals):
-        self.forms, self.totals = forms, totals
-
-    def __getattr__(self, name):
-        method, phase = getattr(self.forms, name), self.PHASES[name]
-
-        def timed_call(*args, **kwargs):
-            started = clock._selected()
-            out = method(*args, **kwargs)
-            self.totals[phase] = self.totals.get(phase, 0.0) + clock._selected() - started
-            return out
-        return timed_call
-
-
 def eager_phases(model, prompt, params, k: int) -> tuple[dict, float, int]:
     """ms per step by phase of an eager decode at draft length k; (phases, whole step ms, steps)."""
     totals: dict[str, float] = {}
@@ -285,7 +265,7 @@ def bench_profile(model, prompts, args, results, log) -> str:
         engine = whole - inner
         acc = results["acceptance"].get(("eager", k), float("nan"))
         lines.append(f"| {k} | {phases.get('catch-up', 0):.2f} | {phases.get('draft chain', 0):.2f} | {head:.2f} | "
-                     f"{phases.get('verification', 0):.2f} | {phases.get('rollback', 0):.2f} | {engine:.2f} | "
+                     f"{phases.get('verification forward', 0):.2f} | {phases.get('rollback', 0):.2f} | {engine:.2f} | "
                      f"{whole:.2f} | {plain_ms:.2f} | {whole / plain_ms:.2f}x | {acc:.2f} | "
                      f"{acc * plain_ms / whole:.2f}x |")
     if args.compiled:
