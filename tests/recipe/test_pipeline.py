@@ -71,6 +71,9 @@ def test_a_second_run_skips_every_finished_stage(micro_run, capsys):
         assert f"[{name}] done" in err and "skipped" in err
         assert (micro_run / name / STAGE_FILE).stat().st_mtime_ns == before[name]
     assert "running:" not in err
+    # the directory was run with the micro preset: another is refused, not mixed in
+    assert cli_main(["pipeline", "--preset", "tiny", "--out", str(micro_run)]) == 2
+    assert "was resolved from the micro preset; leave --preset out to use it" in capsys.readouterr().err
 
 
 def _copy_stages(source, target, names):
@@ -102,8 +105,10 @@ def test_a_killed_stage_resumes_where_it_stopped(micro_run, tmp_path, monkeypatc
     monkeypatch.setattr(Trainer, "save_checkpoint", real_save)
     capsys.readouterr()
 
-    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--stop-after", "rlvr", *overrides]) == 0
+    # the directory remembers its configuration: the plain command continues it, the --set included
+    assert cli_main(["pipeline", "--out", str(out), "--stop-after", "rlvr"]) == 0
     err = capsys.readouterr().err
+    assert f"[pipeline] continuing in {out} with its configuration" in err
     assert "[pretrain] done" in err and "[sft] done" in err
     assert "[rlvr] resuming" in err and "(step 1)" in err
     steps = [json.loads(line)["step"] for line in (out / "rlvr" / "metrics.jsonl").read_text().splitlines()]
@@ -119,6 +124,16 @@ def test_a_finished_stage_run_with_another_configuration_is_refused(micro_run, t
     assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--set", "sft.steps=3"]) == 2
     err = capsys.readouterr().err
     assert f"{out / 'sft'}: this stage was run with another configuration" in err
+
+
+def test_a_change_to_a_finished_stage_is_refused_before_the_stages_before_it_run(micro_run, tmp_path, capsys):
+    """pretrain not run yet, sft finished: a pretrain changed by --set would change what sft built on, so the run
+    stops at once, not after pretraining."""
+    out = tmp_path / "pipe"
+    _copy_stages(micro_run, out, ["sft"])
+    assert cli_main(["pipeline", "--preset", "micro", "--out", str(out), "--set", "pretrain.steps=3"]) == 2
+    assert f"{out / 'sft'}: this stage was run with another configuration" in capsys.readouterr().err
+    assert not (out / "pretrain").exists()
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -139,6 +154,7 @@ def test_a_finished_stage_run_with_another_configuration_is_refused(micro_run, t
     (["--set", "pipeline.levels=0"], "pipeline.levels must be positive difficulty levels"),
     (["--set", "eval.math_tasks=0"], "eval.math_tasks must be >= 1"),
     (["--set", "rlvr"], "expected STAGE.FIELD=VALUE"),
+    (["--set", "pipeline.preset=tiny"], "use --preset"),
     (["--base", "/no/such/model"], "pipeline.base_model: /no/such/model is not an HF checkpoint directory"),
     (["--set", "pipeline.base_model=."], "also set pretrain.enabled = false"),
 ])

@@ -46,10 +46,12 @@ class StageConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineSection:
-    """`[pipeline]`: the model preset pretraining starts from (or `base_model`, an HF checkpoint with tokenizer
+    """`[pipeline]`: the pipeline preset the rest of the configuration was resolved from (a file's values are
+    changes to it), the model preset pretraining starts from (or `base_model`, an HF checkpoint with tokenizer
     files that replaces the pretrain stage), torch threads of every stage, and the difficulty levels of the math and
     code tasks every stage trains and is evaluated on."""
 
+    preset: str = "tiny"  # tiny or micro: PRESET_STAGES
     model_preset: str = "tiny"
     base_model: str = ""  # a pretrained checkpoint directory to start from instead of pretraining ("" = pretrain)
     threads: int = 1  # intra-op threads of every stage; tiny: 2 (on a shared or busy CPU, 2 ran 10x slower than 1)
@@ -232,7 +234,8 @@ def preset_config(name: str) -> PipelineConfig:
     if name not in PRESET_STAGES:
         raise ValueError(f"--preset {name}: unknown pipeline preset; expected one of {', '.join(PRESET_STAGES)}")
     pipeline, evaluation = PRESET_SECTIONS[name]
-    return PipelineConfig(pipeline=pipeline, eval=evaluation, stages=dict(PRESET_STAGES[name]))
+    return PipelineConfig(pipeline=dataclasses.replace(pipeline, preset=name), eval=evaluation,
+                          stages=dict(PRESET_STAGES[name]))
 
 
 def apply_changes(config: PipelineConfig, changes: dict[str, dict[str, Any]], where: str) -> PipelineConfig:

@@ -41,7 +41,7 @@ from hybridtron.recipe.evaluation import eval_set, evaluate_model, format_row
 from hybridtron.recipe.render import format_table, render_html, summarize
 from hybridtron.recipe.config import (PRESET_STAGES, PipelineConfig, apply_changes, parse_set, preset_config,
                                       read_pipeline_toml)
-from hybridtron.recipe.stages import (BOOST_PROMPTS, DATA_FILE, EVAL_FILE, HTML_FILE, RESULT_FILE, STAGE_BY_NAME,
+from hybridtron.recipe.stages import (BOOST_PROMPTS, CONFIG_FILE, DATA_FILE, EVAL_FILE, HTML_FILE, RESULT_FILE, STAGE_BY_NAME,
                                       STAGE_FILE, STAGES, active_stages, check_data_tasks, command_line, data_draws,
                                       fingerprints, pipeline_toml, read_json, stage_run, validate, write_boost_prompts,
                                       write_stage_data)
@@ -49,16 +49,33 @@ from hybridtron.train.config import section_values
 from hybridtron.train.run import refuse_torchrun
 
 
+def saved_config(args) -> Path | None:
+    """OUT's own configuration (what its last run wrote) when OUT has run before and no --config replaces it."""
+    path = Path(args.out) / CONFIG_FILE if getattr(args, "out", None) else None
+    return path if path is not None and path.is_file() and not args.config else None
+
+
 def resolve_config(args) -> PipelineConfig:
-    """The preset <- the TOML file <- --set overrides, validated."""
-    config = preset_config(args.preset)
-    if args.config:
-        config = apply_changes(config, read_pipeline_toml(args.config), args.config)
+    """The preset <- the TOML file (--config, or OUT/pipeline_config.toml when the pipeline continues in OUT: a
+    directory remembers the --preset, --config, --base and --set it was started with) <- --base <- --set, validated.
+    The preset is --preset, else the one the file names (`[pipeline] preset`), else tiny."""
+    source = args.config or saved_config(args)
+    changes = read_pipeline_toml(source) if source else {}
+    named = changes.get("pipeline", {}).get("preset")
+    if args.preset and named and args.preset != named:
+        raise ValueError(f"--preset {args.preset}: {source} was resolved from the {named} preset; leave --preset "
+                         f"out to use it" + (", or choose another --out" if not args.config else ""))
+    config = preset_config(args.preset or named or "tiny")
+    if source:
+        config = apply_changes(config, changes, str(source))
     if getattr(args, "base", None):
         config = apply_changes(config, {"pipeline": {"base_model": args.base}, "pretrain": {"enabled": False}},
                                "--base")
     if args.overrides:
-        config = apply_changes(config, parse_set(args.overrides), "--set")
+        overrides = parse_set(args.overrides)
+        if "preset" in overrides.get("pipeline", {}):
+            raise ValueError("--set pipeline.preset: the preset is what the other values start from; use --preset")
+        config = apply_changes(config, overrides, "--set")
     validate(config)
     return config
 
@@ -96,17 +113,21 @@ def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str
     if config.pipeline.threads:
         torch.set_num_threads(config.pipeline.threads)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pipeline_config.toml").write_text(pipeline_toml(config))
     prints = fingerprints(config, out)
-    eval_print = hashlib.sha256(json.dumps(section_values(config.eval), sort_keys=True).encode()).hexdigest()[:16]
-    material = eval_set(config)  # drawn first: an environment without enough test tasks fails now, not in an hour
-    check_data_tasks(config)  # and one without enough training tasks for the SFT stages' data
+    # every check before the first stage runs: a change to a finished stage, found after an hour of the stages
+    # before it, would waste that hour
     for name in active_stages(config):
         record = read_json(out / name / STAGE_FILE)
         if record is not None and record.get("fingerprint") != prints[name]:
             raise ValueError(f"{out / name}: this stage was run with another configuration (or after other upstream "
                              f"stages; see its {STAGE_FILE}); remove {out / name} and the stages after it to rerun "
                              f"them, or choose another --out")
+    eval_print = hashlib.sha256(json.dumps(section_values(config.eval), sort_keys=True).encode()).hexdigest()[:16]
+    material = eval_set(config)  # drawn first: an environment without enough test tasks fails now, not in an hour
+    check_data_tasks(config)  # and one without enough training tasks for the SFT stages' data
+    (out / CONFIG_FILE).write_text(pipeline_toml(config))
+    for name in active_stages(config):
+        record = read_json(out / name / STAGE_FILE)
         if record is not None:
             log(f"[{name}] done ({record['seconds']:.0f}s), skipped")
         else:
@@ -131,10 +152,12 @@ def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str
 
 # ================================================================================================ command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESET_STAGES),
-                        help="tiny: the real run, sized for 2 CPU cores; micro: a minute, for CI (default: tiny)")
+    parser.add_argument("--preset", choices=sorted(PRESET_STAGES),
+                        help="tiny: the real run, sized for 2 CPU cores; micro: a minute, for CI (default: the "
+                             "--config file's, or that of the pipeline that ran in --out before, else tiny)")
     parser.add_argument("--out", help="the pipeline's directory: one run directory per stage, pipeline.json, "
-                                      "pipeline.html (required unless --print-config)")
+                                      "pipeline.html and pipeline_config.toml, the configuration a later run in it "
+                                      "starts from (required unless --print-config)")
     parser.add_argument("--base", metavar="DIR",
                         help="start from this pretrained HF checkpoint (with tokenizer files) instead of the pretrain "
                              "stage; the same as --set pipeline.base_model=DIR --set pretrain.enabled=false "
@@ -155,6 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     refuse_torchrun("pipeline")  # its stages run in this process, one after another
     config = resolve_config(args)
+    if saved_config(args) and not args.print_config:
+        print(f"[pipeline] continuing in {args.out} with its configuration ({saved_config(args)}; --config, --base "
+              f"and --set change it)", file=sys.stderr, flush=True)
     if args.print_config:
         print(pipeline_toml(config), end="")
         return 0

@@ -54,6 +54,7 @@ from hybridtron.recipe.config import (DATA_STAGES, PipelineConfig, setting_value
 from hybridtron.train.config import change_config, section_values, toml_value
 from hybridtron.train.run import RunCommand
 
+CONFIG_FILE = "pipeline_config.toml"  # the pipeline's resolved configuration; a later run in OUT starts from it
 STAGE_FILE = "stage.json"  # written when a stage's command returned and its model was evaluated
 EVAL_FILE = "eval.json"
 RESULT_FILE = "pipeline.json"
