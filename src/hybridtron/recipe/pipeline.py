@@ -41,10 +41,10 @@ from hybridtron.recipe.evaluation import eval_set, evaluate_model, format_row
 from hybridtron.recipe.render import format_table, render_html, summarize
 from hybridtron.recipe.config import (PRESET_STAGES, PipelineConfig, apply_changes, parse_set, preset_config,
                                       read_pipeline_toml)
-from hybridtron.recipe.stages import (BOOST_PROMPTS, CONFIG_FILE, DATA_FILE, EVAL_FILE, HTML_FILE, RESULT_FILE, STAGE_BY_NAME,
-                                      STAGE_FILE, STAGES, active_stages, check_data_tasks, command_line, data_draws,
-                                      fingerprints, pipeline_toml, read_json, stage_run, validate, write_boost_prompts,
-                                      write_stage_data)
+from hybridtron.recipe.stages import (BOOST_PROMPTS, CONFIG_FILE, DATA_FILE, EVAL_FILE, HTML_FILE, RESULT_FILE,
+                                      STAGE_BY_NAME, STAGE_FILE, STAGES, active_stages, check_data_tasks, command_line,
+                                      data_draws, fingerprints, pipeline_toml, read_json, stage_run, validate,
+                                      write_boost_prompts, write_stage_data)
 from hybridtron.train.config import section_values
 from hybridtron.train.run import refuse_torchrun
 
