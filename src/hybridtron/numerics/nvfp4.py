@@ -367,8 +367,9 @@ def fake_quantize(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _e2m1_index_rne_ref(magnitude: Tensor) -> Tensor:
-    """E2M1 index 0..7 of |y| <= 6 by TE's threshold table (ties go to the even index)."""
+def e2m1_index_rne(magnitude: Tensor) -> Tensor:
+    """E2M1 index 0..7 of |y| <= 6 by TE's threshold table (ties go to the even index): the reference quantizer's
+    rounding, and post-training quantization's (numerics.ptq)."""
     thresholds_up_to_even = (  # (threshold, a tie rounds up)
         (0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False)
     )
@@ -412,7 +413,7 @@ def quantize_ref(
     if stochastic_rounding:
         index = _e2m1_index_sr_ref(scaled.abs(), _new_uniform(matrix, generator))
     else:
-        index = _e2m1_index_rne_ref(scaled.abs())
+        index = e2m1_index_rne(scaled.abs())
     codes = index | (torch.signbit(scaled).to(torch.uint8) << 3)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return NVFP4Quantized(

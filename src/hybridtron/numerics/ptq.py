@@ -40,8 +40,6 @@ from hybridtron.numerics.blocks import E4M3_MAX, check_finite
 SCALE_METHODS = ("max", "mse")
 MSE_CODE_STEPS = range(-6, 2)  # E4M3 codes around the max scale's: one step is 1/8 of a binade's width
 _E4M3_LARGEST_CODE = 0x7E  # 448
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_E2M1_ODD_MIDPOINTS = (0.75, 1.75, 3.5)  # a tie here rounds up, to the even index
 _CHUNK_ELEMENTS = 1 << 20
 
 
@@ -69,10 +67,7 @@ def _check_matrix(w: Tensor) -> None:
 def e2m1_codes(y: Tensor) -> Tensor:
     """Unpacked E2M1 codes (uint8, sign << 3 | index) of fp32 ``y`` in [-6, 6]: nearest value, ties to the even
     index (TE's threshold table), the sign kept on values that round to zero."""
-    magnitude = y.abs()
-    index = torch.bucketize(magnitude, torch.tensor(_E2M1_MIDPOINTS, device=y.device))
-    index += torch.isin(magnitude, torch.tensor(_E2M1_ODD_MIDPOINTS, device=y.device))
-    return index.to(torch.uint8) | (torch.signbit(y).to(torch.uint8) << 3)
+    return nvfp4.e2m1_index_rne(y.abs()) | (torch.signbit(y).to(torch.uint8) << 3)
 
 
 def _scaled(blocks: Tensor, scale: Tensor, s_dec: Tensor) -> Tensor:
