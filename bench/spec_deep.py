@@ -85,14 +85,14 @@ def fastest(fn, calls: int, repeats: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- costs
-def step_costs(model, context: int, max_draft: int, compiled: bool, repeats: int) -> dict:
-    """Seconds of one plain forward (one token), of a verification of T = 2..max_draft + 1 tokens (its Mamba states
+def step_costs(model, context: int, draft_lengths, compiled: bool, repeats: int) -> dict:
+    """Seconds of one plain forward (one token), of a verification of T = k + 1 tokens for each k (its Mamba states
     kept, then rolled back by nothing), and of one drafting depth (the MTP block on one position, the lm_head, the
     greedy choice), batch 1 with `context` positions cached, eager (the fast paths) or compiled (the static
     forms)."""
     repeats = max(repeats, 5)  # cheap to measure, and the bound rests on them
     config = model.config
-    cache = HybridCache.allocate(config, 1, max(256, 1 << (context + max_draft + 1).bit_length()))
+    cache = HybridCache.allocate(config, 1, max(256, 1 << (context + max(draft_lengths) + 1).bit_length()))
     mtp_cache = HybridCache.allocate(config, 1, cache.max_len, kinds=config.mtp_layers_block_type)
     cache.lengths += context
     mtp_cache.lengths += context
@@ -133,8 +133,8 @@ def step_costs(model, context: int, max_draft: int, compiled: bool, repeats: int
             def verify(tokens):
                 ids = torch.full((1, tokens), 5, dtype=torch.long)
                 return lambda: (many(model, ids, cache, []), cache.lengths.sub_(tokens))
-        for tokens in range(2, max_draft + 2):
-            costs[tokens] = fastest(verify(tokens), 10, repeats)
+        for k in draft_lengths:
+            costs[k + 1] = fastest(verify(k + 1), 10, repeats)
     return costs
 
 
@@ -150,7 +150,7 @@ def bound(acceptance: float, costs: dict, k: int) -> float:
 # ---------------------------------------------------------------------------------------------------- speed
 def bench_speed(model, prompts, args, log) -> tuple[str, dict]:
     params = greedy(args.tokens)
-    variants = [None, *range(1, args.max_draft + 1), "adaptive"]
+    variants = [None, *args.draft_lengths] + (["adaptive"] if args.adaptive else [])
     modes = ["eager", "compiled"] if args.compiled else ["eager"]
     best = {}
     tokens, acceptance, steps_run = {}, {}, {}
@@ -179,7 +179,8 @@ def bench_speed(model, prompts, args, log) -> tuple[str, dict]:
                         acceptance[key] = decoder.stats.mean_acceptance_length
                         steps_run[key] = decoder.stats.steps
     context = len(prompts[0]) + args.tokens // 2
-    costs = {mode: step_costs(model, context, args.max_draft, mode == "compiled", args.repeats) for mode in modes}
+    costs = {mode: step_costs(model, context, args.draft_lengths, mode == "compiled", args.repeats)
+             for mode in modes}
     total = sum(len(tokens["eager", p]) for p in range(len(prompts)))
     results = {"costs": costs, "rates": {}, "acceptance": {}, "bounds": {}, "steps": {}, "best": best,
                "plain steps": len(tokens["eager", 0]) - 1}  # the first token comes from the prompt's logits
@@ -207,22 +208,23 @@ def bench_speed(model, prompts, args, log) -> tuple[str, dict]:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines += ["", "Costs measured on their own (batch 1, " + str(context) + " positions cached), in plain steps: the "
               "verification of T = k + 1 tokens and one drafting depth:", "",
-              "| mode | plain step ms | draft | " + " | ".join(f"verify T={t}" for t in range(2, args.max_draft + 2))
-              + " |", "|---|---:|---:|" + "---:|" * args.max_draft]
+              "| mode | plain step ms | draft | " + " | ".join(f"verify T={k + 1}" for k in args.draft_lengths)
+              + " |", "|---|---:|---:|" + "---:|" * len(args.draft_lengths)]
     for mode in modes:
         c = costs[mode]
         lines.append(f"| {mode} | {c['plain'] * 1e3:.2f} | {c['draft'] / c['plain']:.3f} | "
-                     + " | ".join(f"{c[t] / c['plain']:.2f}" for t in range(2, args.max_draft + 2)) + " |")
+                     + " | ".join(f"{c[k + 1] / c['plain']:.2f}" for k in args.draft_lengths) + " |")
     for mode in modes:
-        fixed = range(1, args.max_draft + 1)
+        fixed = args.draft_lengths
         top = max(fixed, key=lambda v: results["rates"][mode, v])
         speedup = results["rates"][mode, top] / results["rates"][mode, None]
         limit = results["bounds"][mode, top]
         lines.append(f"\nbest, {mode}: k = {top}, {speedup:.2f}x over plain, bound {limit:.2f}x "
                      f"({speedup / limit:.0%} of it)")
-    per_prompt = [f"{p}: " + ", ".join(f"{acceptance['eager', v, p]:.2f}" for v in range(1, args.max_draft + 1))
+    per_prompt = [f"{p}: " + ", ".join(f"{acceptance['eager', v, p]:.2f}" for v in args.draft_lengths)
                   for p in range(len(prompts))]
-    lines += ["", "Acceptance length by prompt (eager, k = 1..): " + "; ".join(per_prompt)]
+    lines += ["", f"Acceptance length by prompt (eager, k = {', '.join(map(str, args.draft_lengths))}): "
+              + "; ".join(per_prompt)]
     return "\n".join(lines), results
 
 
@@ -256,7 +258,7 @@ def bench_profile(model, prompts, args, results, log) -> str:
              "| k | catch-up | draft chain | drafts' head | verification | rollback | engine | whole step | "
              "plain step | step / plain | acceptance | speedup |", "|---|" + "---:|" * 11]
     plain_ms = results["best"]["eager", None, 0] / results["plain steps"] * 1e3
-    for k in range(1, args.max_draft + 1):
+    for k in args.draft_lengths:
         log(f"  profile k = {k}")
         phases, whole, _ = min((eager_phases(model, prompts[0], params, k) for _ in range(args.repeats)),
                                key=lambda r: r[1])
@@ -275,7 +277,7 @@ def bench_profile(model, prompts, args, results, log) -> str:
                   "| k | whole step | verification | k drafts | other | other / plain step |",
                   "|---|---:|---:|---:|---:|---:|"]
         plain_c = results["best"]["compiled", None, 0] / results["plain steps"] * 1e3
-        for k in range(1, args.max_draft + 1):
+        for k in args.draft_lengths:
             whole = results["best"]["compiled", k, 0] * 1e3 / results["steps"]["compiled", k]
             verify, drafts = c[k + 1] * 1e3, k * c["draft"] * 1e3
             lines.append(f"| {k} | {whole:.2f} | {verify:.2f} | {drafts:.2f} | {whole - verify - drafts:.2f} | "
@@ -333,7 +335,11 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=200)
     parser.add_argument("--tokens", type=int, default=192, help="greedy tokens per decode")
-    parser.add_argument("--max-draft", type=int, default=6)
+    parser.add_argument("--max-draft", type=int, default=6, help="the longest draft (the adaptive controller's too)")
+    parser.add_argument("--draft-lengths", type=int, nargs="+",
+                        help="the fixed draft lengths to measure, leaving out the adaptive controller (compiled, "
+                             "each is a graph of its own: 39-layer `deep` compiles for minutes each); default "
+                             "1..--max-draft and the adaptive controller")
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--batch-tokens", type=int, default=64)
@@ -342,6 +348,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     clock.add_clock_argument(parser)
     args = parser.parse_args(argv)
+    args.adaptive = args.draft_lengths is None
+    args.draft_lengths = args.draft_lengths or list(range(1, args.max_draft + 1))
+    if max(args.draft_lengths) > args.max_draft or min(args.draft_lengths) < 1:
+        parser.error(f"--draft-lengths {args.draft_lengths}: each must be 1..--max-draft ({args.max_draft})")
     torch.set_num_threads(args.threads)
     clock.select(args.clock)
     log = lambda line: print(line, flush=True)  # noqa: E731
