@@ -66,6 +66,13 @@ def layout_args(*settings: str) -> list[str]:
     return [arg for setting in settings for arg in ("--set", setting)]
 
 
+# The one-process reference runs its roles inline (in the learner's process; the asynchronous mode's default is role
+# processes, as the torchrun run keeps): measured, the same metrics and weights bit for bit as role processes
+# (tests/post/test_grpo.py checks the backends' protocol), without spawning the rollout and reference processes,
+# about 10 s of the asynchronous case on 2 cores. (The synchronous mode runs its roles inline whatever the setting.)
+ONE_PROCESS_ROLES = ("--set", "grpo.rollout_backend=inline")
+
+
 # DP 2 x EP 2 with split rollouts; PP 2 with rank 0's rollouts and the frozen reference's KL logged (the reference
 # role in its own process, its scores read by the last stage's loss); CP 2 x EP 2 (each rank half of every
 # rollout's positions, the MTP depths reading on into the other half), with the reference's KL (each rank's
@@ -78,7 +85,7 @@ def layout_args(*settings: str) -> list[str]:
 ], ids=["sync_split_rollouts", "async_rank0_rollouts_pp2_reference_kl", "cp2_reference_kl"])
 def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, layout, rollout_ranks):
     extra = ("--steps", "3", "--set", "train.lr=1e-3", *mode)
-    assert _grpo(policy_dir, tmp_path / "single", *extra) == 0
+    assert _grpo(policy_dir, tmp_path / "single", *extra, *ONE_PROCESS_ROLES) == 0
     torchrun(grpo_argv(policy_dir, tmp_path / "world2", *extra, *layout_args(*layout)), timeout=280)
     single, world2 = records(tmp_path / "single"), records(tmp_path / "world2")
     assert ranks(world2) == {rollout_ranks} and ranks(single) == {1}

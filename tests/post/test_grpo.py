@@ -300,8 +300,9 @@ def test_uniform_micro_batches_pad_to_one_shape_and_change_no_loss(small_config)
     assert len(uniform) == 4 and len({tuple(mb.input_ids.shape) for mb in uniform}) == 1
     assert not uniform[-1].valid.any() and not uniform[-1].completion_mask.any()
     objective = GRPOObjective(tiny_grpo(), config.mtp_depths)
-    for name, value in _step_metrics(model, objective, ragged).items():
-        assert abs(value - _step_metrics(model, objective, uniform)[name]) < 1e-6, name
+    ragged_metrics, uniform_metrics = _step_metrics(model, objective, ragged), _step_metrics(model, objective, uniform)
+    for name, value in ragged_metrics.items():
+        assert abs(value - uniform_metrics[name]) < 1e-6, name
     expected, got = _gradients(model, objective, ragged), _gradients(model, objective, uniform)
     assert all(torch.allclose(expected[name], got[name], atol=1e-7) for name in expected)
 

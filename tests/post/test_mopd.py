@@ -5,6 +5,8 @@ function itself, by hand: tests/post/test_losses.py, test_mopd_loss_by_hand and 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import random
@@ -434,13 +436,25 @@ def _lines(path):
             for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def new_run_with_warmup(models, tmp_path_factory):
+    """A new run of the command, warmup (3 SFT steps) then 3 MOPD steps, and what it wrote to stderr: (run directory,
+    stderr). Trained once for two tests: the end-to-end test kills and resumes copies of it (the directory itself
+    stays as the run left it), the new-run test reads how its MOPD phase started."""
+    out = tmp_path_factory.mktemp("mopd_full") / "full"
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):  # the command's errors are lines printed to sys.stderr
+        code = _mopd(models, out, "--steps", "3", "--set", "mopd.warmup_steps=3")
+    assert code == 0, stderr.getvalue()[-2000:]
+    return out, stderr.getvalue()
+
+
 @pytest.mark.timeout(300)
-def test_mopd_end_to_end_with_warmup_and_resume_bit_for_bit(models, tmp_path, capsys):
+def test_mopd_end_to_end_with_warmup_and_resume_bit_for_bit(models, new_run_with_warmup, tmp_path, capsys):
     """Warmup (3 SFT steps) then 3 MOPD steps; the same run killed in MOPD after its step-2 checkpoint, and one
     killed in the warmup after its step-2 checkpoint, both resumed: the same metrics line for line, the same
     weights. A finished run says it is complete."""
-    assert _mopd(models, tmp_path / "full", "--steps", "3", "--set", "mopd.warmup_steps=3") == 0
-    full = tmp_path / "full"
+    full, _ = new_run_with_warmup
     assert (full / "warmup" / "hf" / "config.json").is_file() and (full / "warmup_data.jsonl").is_file()
     lines = _lines(full)
     assert [line["step"] for line in lines] == [0, 1, 2, 3]
@@ -472,28 +486,34 @@ def test_mopd_end_to_end_with_warmup_and_resume_bit_for_bit(models, tmp_path, ca
     assert "this run is complete" in capsys.readouterr().out
 
 
-def test_mopd_without_warmup_is_the_ablation(models, tmp_path):
+@pytest.fixture(scope="module")
+def one_step_without_warmup(models, tmp_path_factory):
+    """The run directory of one MOPD step with warmup_steps=0 and the top-K reverse KL (mopd.kl_top_k=8): one run for
+    the ablation test and the top-K test (the loss it trains does not change where MOPD starts)."""
+    out = tmp_path_factory.mktemp("mopd_no_warmup") / "run"
+    assert _mopd(models, out, "--steps", "1", "--set", "mopd.warmup_steps=0", "--set", "mopd.eval_tasks=0",
+                 "--set", "mopd.kl_top_k=8") == 0
+    return out
+
+
+def test_mopd_without_warmup_is_the_ablation(one_step_without_warmup):
     """warmup_steps=0: no warmup directory; MOPD starts from --student itself."""
-    assert _mopd(models, tmp_path / "run", "--steps", "1", "--set", "mopd.warmup_steps=0",
-                 "--set", "mopd.eval_tasks=0") == 0
-    assert not (tmp_path / "run" / "warmup").exists() and [line["step"] for line in _lines(tmp_path / "run")] == [1]
+    run = one_step_without_warmup
+    assert not (run / "warmup").exists() and [line["step"] for line in _lines(run)] == [1]
 
 
-def test_a_new_run_with_warmup_goes_on_to_mopd(models, tmp_path, capsys):
-    """The smallest run with both phases: a fresh run's MOPD phase starts after its warmup (the warmup's checkpoints
-    are the run's own, not an unfinished run that would need --resume)."""
-    code = _mopd(models, tmp_path / "run", "--steps", "1", "--set", "mopd.warmup_steps=1", "--set", "mopd.eval_tasks=0")
-    assert "holds an unfinished run" not in capsys.readouterr().err
-    assert code == 0
-    assert (tmp_path / "run" / "warmup" / "hf" / "config.json").is_file()
-    assert [line["step"] for line in _lines(tmp_path / "run")] == [1] and (tmp_path / "run" / "hf").is_dir()
+def test_a_new_run_with_warmup_goes_on_to_mopd(new_run_with_warmup):
+    """A fresh run's MOPD phase starts after its warmup (the warmup's checkpoints are the run's own, not an unfinished
+    run that would need --resume): the end-to-end test's new run, read here."""
+    run, stderr = new_run_with_warmup
+    assert "holds an unfinished run" not in stderr
+    assert (run / "warmup" / "hf" / "config.json").is_file()
+    assert [line["step"] for line in _lines(run)] == [0, 1, 2, 3] and (run / "hf").is_dir()
 
 
-def test_mopd_command_trains_the_topk_reverse_kl(models, tmp_path):
+def test_mopd_command_trains_the_topk_reverse_kl(one_step_without_warmup):
     """mopd.kl_top_k reaches the teacher-scoring role: the learner trains on, and logs, the top-K KL."""
-    assert _mopd(models, tmp_path / "run", "--steps", "1", "--set", "mopd.warmup_steps=0",
-                 "--set", "mopd.eval_tasks=0", "--set", "mopd.kl_top_k=8") == 0
-    (line,) = _lines(tmp_path / "run")
+    (line,) = _lines(one_step_without_warmup)
     assert line["topk_reverse_kl"] > 0 and "clip_fraction" not in line
 
 

@@ -30,9 +30,13 @@ FAST = ["--set", "data.families=json,text,functional", "--set", "data.seq_len=64
         "--set", "train.threads=1", "--quiet"]
 
 
+def pretrain_args(out: Path, steps: int, *extra: str) -> list[str]:
+    return ["pretrain", "--preset", "tiny", "--out", str(out), "--steps", str(steps), *FAST, *extra]
+
+
 def pretrain_cmd(out: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "hybridtron.cli", "pretrain", "--preset", "tiny", "--out", str(out),
-            "--steps", str(steps), *FAST, *extra]
+    """The same run in a process of its own."""
+    return [sys.executable, "-m", "hybridtron.cli", *pretrain_args(out, steps, *extra)]
 
 
 def run_env(cache: Path) -> dict:
@@ -49,14 +53,31 @@ def step_records(run_dir: Path) -> dict[int, dict]:
 
 
 DETERMINISTIC = ("loss", "lm_loss", "mtp_loss_1", "mtp_loss_2", "grad_norm", "lr")
+KILL_9_STEPS = 12  # long enough that the killed run is past its second checkpoint (every 3 steps) mid-run
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The tokenizer and token caches ($HYBRIDTRON_CACHE) of every run in this module: the runs share their data,
+    so the tokenizer is trained once, not once a test."""
+    return tmp_path_factory.mktemp("pretrain_cache")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cache, tmp_path_factory) -> Path:
+    """A 12-step FAST run trained to its end (HF export included) in this process: the kill -9 test's reference and
+    the export the transformers test loads."""
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HYBRIDTRON_CACHE", str(cache))
+        assert cli_main(pretrain_args(out, KILL_9_STEPS)) == 0
+    return out
 
 
 @pytest.mark.slow
-def test_kill_9_then_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
-    cache, steps = tmp_path / "cache", 12
-    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    subprocess.run(pretrain_cmd(clean, steps), env=run_env(cache), check=True, timeout=600)
-
+def test_kill_9_then_resume_matches_uninterrupted_run_bit_for_bit(tmp_path, cache, uninterrupted, monkeypatch):
+    """The kill needs a real process; the uninterrupted reference and the resume run in this one (same code)."""
+    steps, crashed = KILL_9_STEPS, tmp_path / "crashed"
     process = subprocess.Popen(pretrain_cmd(crashed, steps), env=run_env(cache))
     deadline = time.time() + 600
     while time.time() < deadline:  # kill once it is past its second checkpoint, mid-run
@@ -69,8 +90,10 @@ def test_kill_9_then_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
     assert not (crashed / "hf").exists(), "the run finished before it was killed; the test proves nothing"
     assert CheckpointManager(crashed / "checkpoints").latest() is not None
 
-    subprocess.run(pretrain_cmd(crashed, steps, "--resume"), env=run_env(cache), check=True, timeout=600)
-    expected, resumed = step_records(clean), step_records(crashed)
+    monkeypatch.setenv("HYBRIDTRON_CACHE", str(cache))
+    assert cli_main(pretrain_args(crashed, steps, "--resume")) == 0
+    expected, resumed = step_records(uninterrupted), step_records(crashed)
+    assert sorted(expected) == list(range(1, steps + 1))
     assert sorted(resumed) == list(range(1, steps + 1)), "every step has exactly one metrics line"
     for step in expected:
         for key in DETERMINISTIC:
@@ -78,15 +101,14 @@ def test_kill_9_then_resume_matches_uninterrupted_run_bit_for_bit(tmp_path):
 
 
 @pytest.mark.slow
-def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path):
+def test_hf_export_loads_in_transformers_with_equal_logits(uninterrupted):
     transformers = pytest.importorskip("transformers")
     from hybridtron.checkpoint import load_pretrained
 
-    out = tmp_path / "run"
-    subprocess.run(pretrain_cmd(out, 3), env=run_env(tmp_path / "cache"), check=True, timeout=600)
-    ours = load_pretrained(out / "hf").eval()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).eval()
-    assert (out / "hf" / "tokenizer.json").is_file()
+    hf = uninterrupted / "hf"
+    ours = load_pretrained(hf).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assert (hf / "tokenizer.json").is_file()
     ids = torch.randint(3, 512, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (ours(ids).logits - theirs(ids).logits).abs().max() <= 1e-4
@@ -179,10 +201,10 @@ def test_help_documents_every_option(capsys):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "nvfp4"])
-def test_resume_continues_bit_for_bit_including_stochastic_rounding(tmp_path, monkeypatch, precision):
+def test_resume_continues_bit_for_bit_including_stochastic_rounding(tmp_path, cache, monkeypatch, precision):
     """A run stopped after 3 steps and resumed to 6 equals a 6-step run (constant LR after warmup, so the
     schedule does not depend on the total); under NVFP4 this needs the SR generators' state in the checkpoint."""
-    monkeypatch.setenv("HYBRIDTRON_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HYBRIDTRON_CACHE", str(cache))
     common = [*FAST, "--set", "train.decay_fraction=0", "--set", f"train.precision={precision}",
               "--set", "data.seq_len=32", "--set", "data.batch_size=2"]
     assert cli_main(["pretrain", "--out", str(tmp_path / "whole"), "--steps", "6", *common]) == 0
@@ -195,8 +217,8 @@ def test_resume_continues_bit_for_bit_including_stochastic_rounding(tmp_path, mo
             assert split[step][key] == whole[step][key], f"step {step} {key}"
 
 
-def test_a_run_the_monitor_gives_up_on_stops_with_a_message_not_a_traceback(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("HYBRIDTRON_CACHE", str(tmp_path / "cache"))
+def test_a_run_the_monitor_gives_up_on_stops_with_a_message_not_a_traceback(tmp_path, cache, monkeypatch, capsys):
+    monkeypatch.setenv("HYBRIDTRON_CACHE", str(cache))
     faults = ["--set", "monitor.on_nonfinite=rollback", "--set", "monitor.max_rollbacks=1",
               "--set", "monitor.inject_fault=nan_grad@2,nan_grad@3"]
     code = cli_main(["pretrain", "--out", str(tmp_path / "run"), "--steps", "4", *FAST, *faults])
@@ -237,10 +259,10 @@ def test_the_hf_export_is_whole_before_any_rank_returns(tmp_path, monkeypatch, s
     assert any(name.endswith(".safetensors") for name in at_barrier[0])
 
 
-def test_pretraining_without_held_out_documents_trains_without_validation(trained_run, tmp_path, capsys):
+def test_pretraining_without_held_out_documents_trains_without_validation(cache, tmp_path, capsys):
     """data.val_fraction = 0 ("no validation", as its error message offers) trains and says nothing of a val loss."""
     overrides = ["data.families=json", "data.vocab_size=512", "model.vocab_size=512", "data.seq_len=32",
-                 "data.batch_size=2", "data.val_fraction=0", f"data.cache_dir={trained_run.parent / 'cache'}"]
+                 "data.batch_size=2", "data.val_fraction=0", f"data.cache_dir={cache}"]
     args = argparse.Namespace(preset="tiny", out=str(tmp_path / "run"), steps=2, config=None, overrides=overrides,
                               resume=False, quiet=True, print_config=False)
     assert pretrain.run(args) == 0
@@ -248,12 +270,12 @@ def test_pretraining_without_held_out_documents_trains_without_validation(traine
     assert not any("val_loss" in line for line in (tmp_path / "run" / METRICS_FILE).read_text().splitlines())
 
 
-def test_a_run_with_an_option_nemotron_h_cannot_express_exports_in_hybridtrons_format(trained_run, tmp_path, capsys):
+def test_a_run_with_an_option_nemotron_h_cannot_express_exports_in_hybridtrons_format(cache, tmp_path, capsys):
     """moe_output_norm (a Marin option): the run finishes, its hf/ is model_type hybridtron_h (said in one line) and
     loads here with the trained weights; the run counts as complete."""
     overrides = ["data.families=json", "data.vocab_size=512", "model.vocab_size=512", "data.seq_len=32",
                  "data.batch_size=2", "data.val_fraction=0", "model.moe_output_norm=true",
-                 f"data.cache_dir={trained_run.parent / 'cache'}"]
+                 f"data.cache_dir={cache}"]
     args = argparse.Namespace(preset="tiny", out=str(tmp_path / "run"), steps=2, config=None, overrides=overrides,
                               resume=False, quiet=True, print_config=False)
     assert pretrain.run(args) == 0
