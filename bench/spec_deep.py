@@ -9,9 +9,9 @@ quickstart's), greedy, on standard-library source as prompts:
 
        bound(k) = acceptance length(k) / (verification(k + 1 tokens) + k * draft)
 
-   in units of one plain step, each cost measured on its own (`costs`): the verification is the backbone's forward
-   over k + 1 tokens keeping its Mamba states, a draft one depth of the MTP block with the lm_head and the token's
-   choice. What a step spends beyond them (the drafter's catch-up over the kept positions, the rollback, the
+   in units of one plain step, the acceptance length being tokens per verification step over all prompts, each cost
+   measured on its own (`costs`): the verification is the backbone's forward over k + 1 tokens keeping its Mamba
+   states, a draft one depth of the MTP block with the lm_head and the token's choice. What a step spends beyond them (the drafter's catch-up over the kept positions, the rollback, the
    engine's bookkeeping) is what keeps the measured speedup below the bound.
 2. `profile`: where a step's time goes, by phase (eager: catch-up, draft chain, verification, rollback, the step
    function's rest, the engine around it; compiled: the one graph against its pieces' costs).
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import statistics
 
 import torch
 
@@ -148,7 +147,14 @@ def bound(acceptance: float, costs: dict, k: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- speed
-def bench_speed(model, prompts, args, log) -> tuple[str, dict]:
+def distinct_share(tokens: list[int], n: int = 4) -> float:
+    """Distinct n-grams over all n-grams of a continuation: 1.0 never repeats itself, near 0 loops on a few tokens
+    (where a drafter's acceptance nears k + 1 whatever it learned)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / max(len(grams), 1)
+
+
+def bench_speed(model, prompts, args, log, tokenizer) -> tuple[str, dict]:
     params = greedy(args.tokens)
     variants = [None, *args.draft_lengths] + (["adaptive"] if args.adaptive else [])
     modes = ["eager", "compiled"] if args.compiled else ["eager"]
@@ -197,7 +203,10 @@ def bench_speed(model, prompts, args, log) -> tuple[str, dict]:
             if variant is None:
                 cells.append(f"{rate:.1f} | 1.00x | - | - | -")
                 continue
-            acc = statistics.mean(acceptance[mode, variant, p] for p in range(len(prompts)))
+            # tokens per verification step over all prompts (each prompt's mean weighted by its steps): a prompt
+            # with low acceptance takes more steps, which a plain mean of the prompts' means would undercount
+            steps_all = [steps_run[mode, variant, p] for p in range(len(prompts))]
+            acc = sum(acceptance[mode, variant, p] * n for p, n in enumerate(steps_all)) / sum(steps_all)
             results["acceptance"][mode, variant] = acc
             results["steps"][mode, variant] = steps_run[mode, variant, 0]
             if variant == "adaptive":
@@ -225,6 +234,11 @@ def bench_speed(model, prompts, args, log) -> tuple[str, dict]:
                   for p in range(len(prompts))]
     lines += ["", f"Acceptance length by prompt (eager, k = {', '.join(map(str, args.draft_lengths))}): "
               + "; ".join(per_prompt)]
+    lines += ["", "The greedy continuations (distinct 4-grams of all; the first 160 characters):"]
+    for p in range(len(prompts)):
+        continuation = tokens["eager", p]
+        text = tokenizer.decode(continuation)[:160].replace("\n", "\\n")
+        lines.append(f"- {MODULES[p]}: {distinct_share(continuation):.2f} `{text}`")
     return "\n".join(lines), results
 
 
@@ -365,7 +379,7 @@ def main(argv=None) -> None:
            f"clock."]
     results = None
     if "speed" in args.sections or "profile" in args.sections:
-        table, results = bench_speed(model, prompts, args, log)
+        table, results = bench_speed(model, prompts, args, log, tokenizer)
         out.append(f"{len(prompts)} prompts of {args.prompt_tokens} tokens ({', '.join(MODULES[:len(prompts)])}), "
                    f"{args.tokens} greedy tokens each, batch 1, fastest of {args.repeats}; every speculative "
                    "variant's tokens identical to plain decoding's"
