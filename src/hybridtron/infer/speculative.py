@@ -30,8 +30,10 @@ Draft length. `draft_length=None` (the default) lets `DraftLengthController` cho
 measures: the acceptance rate of each depth (decayed counts, so it follows the text) and the wall time of steps of
 each k at the batch's size. It picks the k with the most tokens per second, expected tokens = 1 + sum over depths
 of the chance that every draft up to it is accepted; an untried k is priced by extrapolating the measured times
-and taken optimistically (the next depth accepted as often as the last measured one), so k grows while drafting
-pays and stops at the first depth the MTP block cannot predict. When no k beats plain decoding, drafting turns off
+and each depth's rate is shrunk toward the depth before it (depth 1: toward 1) by two pseudo-verifications, so an
+untried depth is taken optimistically (as good as the one before), k grows while drafting pays and stops at the
+first depth the MTP block cannot predict, and a depth that a few early steps rejected is not written off for good
+(at a smaller k it is never reached again to be measured). When no k beats plain decoding, drafting turns off
 and is probed again after 16 steps, then after twice as many each time it still does not pay (up to 512). An
 integer `draft_length` fixes k.
 
@@ -135,6 +137,9 @@ class DraftLengthController:
     DECAY = 0.99  # per recorded step, for the acceptance counts (a window of ~100 steps)
     TIME_EMA = 0.2  # weight of a new step time
     HYSTERESIS = 1.03  # a new k must promise this much more throughput than the current one
+    # Without it, two rejections of draft 2 in the first steps gave depth 2 a rate of 0 that k = 1 never measures
+    # again: `deep` stayed at k = 1 (1.3x) where k = 6 gives 2x
+    PRIOR_WEIGHT = 2.0
 
     def __init__(self, max_draft_length: int = DEFAULT_MAX_DRAFT_LENGTH, fixed: int | None = None,
                  clock: Callable[[], float] | None = None):
@@ -153,20 +158,17 @@ class DraftLengthController:
     def bucket(rows: int) -> int:
         return 1 << (rows - 1).bit_length()
 
-    def acceptance(self, depth: int) -> float | None:
-        """P(draft `depth` accepted | drafts before it accepted), or None when unmeasured."""
-        if self.reached[depth] < 1.0:
-            return None
-        return self.accepted[depth] / self.reached[depth]
+    def acceptance(self, depth: int) -> float:
+        """P(draft `depth` accepted | drafts before it accepted): the decayed counts with PRIOR_WEIGHT
+        pseudo-verifications at the rate of the depth before (depth 1: at 1, so that drafting is tried)."""
+        prior = 1.0 if depth == 1 else self.acceptance(depth - 1)
+        return (self.accepted[depth] + self.PRIOR_WEIGHT * prior) / (self.reached[depth] + self.PRIOR_WEIGHT)
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens a row emits per step at draft length k; an unmeasured depth is as good as the last measured one
-        (optimism, so that the controller tries it)."""
-        total, chain, rate = 1.0, 1.0, 1.0
+        """Tokens a row emits per step at draft length k."""
+        total, chain = 1.0, 1.0
         for depth in range(1, k + 1):
-            measured = self.acceptance(depth)
-            rate = rate if measured is None else measured
-            chain *= rate
+            chain *= self.acceptance(depth)
             total += chain
         return total
 
