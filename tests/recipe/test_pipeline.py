@@ -279,6 +279,8 @@ def test_the_warmup_stage_writes_its_teachers_answers_before_it_runs(tmp_path, m
     ("[optimizer]\nlr = 1", "unknown section [optimizer]"),
     ("steps = 3", "outside a section"),
     ("[eval.math]\nx = 1", "only stages have sub-tables"),
+    ("[pipeline]\npreset = \"huge\"", "[pipeline] preset = 'huge': unknown pipeline preset"),
+    ("[pipeline]\npreset = \"tiny\"", "was resolved from the tiny preset"),
 ])
 def test_bad_config_file_gives_a_clear_error(tmp_path, capsys, text, message):
     path = tmp_path / "pipe.toml"

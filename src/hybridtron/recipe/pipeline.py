@@ -62,6 +62,9 @@ def resolve_config(args) -> PipelineConfig:
     source = args.config or saved_config(args)
     changes = read_pipeline_toml(source) if source else {}
     named = changes.get("pipeline", {}).get("preset")
+    if named is not None and named not in PRESET_STAGES:
+        raise ValueError(f"{source}: [pipeline] preset = {named!r}: unknown pipeline preset; expected one of "
+                         f"{', '.join(PRESET_STAGES)}")
     if args.preset and named and args.preset != named:
         raise ValueError(f"--preset {args.preset}: {source} was resolved from the {named} preset; leave --preset "
                          f"out to use it" + (", or choose another --out" if not args.config else ""))
