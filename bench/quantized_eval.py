@@ -8,7 +8,7 @@ the MTP block in BF16, as the report did). Variants: the fp32 source, the source
 `hybridtron quantize` at FP8 and NVFP4 (max and MSE scales) under the `ultra` export policy, NVFP4 with MSE scales
 also under `all`. Beside each: the tensors' size on disk and the seconds `quantize` took by phase.
 
-    cd bench && OMP_NUM_THREADS=2 python quantized_eval.py --pipeline ../runs/pipe --stage mopd_2 --out /tmp/q
+    python bench/quantized_eval.py --pipeline runs/pipe --stage mopd_2 --out runs/pipe-quantized
 """
 
 from __future__ import annotations
