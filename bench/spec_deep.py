@@ -11,8 +11,9 @@ quickstart's), greedy, on standard-library source as prompts:
 
    in units of one plain step, the acceptance length being tokens per verification step over all prompts, each cost
    measured on its own (`costs`): the verification is the backbone's forward over k + 1 tokens keeping its Mamba
-   states, a draft one depth of the MTP block with the lm_head and the token's choice. What a step spends beyond them (the drafter's catch-up over the kept positions, the rollback, the
-   engine's bookkeeping) is what keeps the measured speedup below the bound.
+   states, a draft one depth of the MTP block with the lm_head and the token's choice. What a step spends beyond
+   them (the drafter's catch-up over the kept positions, the rollback, the engine's bookkeeping) is what keeps the
+   measured speedup below the bound.
 2. `profile`: where a step's time goes, by phase (eager: catch-up, draft chain, verification, rollback, the step
    function's rest, the engine around it; compiled: the one graph against its pieces' costs).
 3. `batch`: plain against speculative throughput at batch 1, 2, 4, 8, 16 (`SpeculativeDecoder` over that many
