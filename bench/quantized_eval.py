@@ -23,7 +23,7 @@ import torch
 from hybridtron.checkpoint import load_pretrained, save_pretrained
 from hybridtron.deploy.quantize import quantize_checkpoint, tensor_bytes
 from hybridtron.recipe.evaluation import eval_set, evaluate_model, format_row
-from hybridtron.recipe.config import apply_changes, preset_config, read_pipeline_toml
+from hybridtron.recipe.pipeline import config_from_file
 from hybridtron.recipe.stages import CONFIG_FILE
 
 QUANTIZED = (  # name, format, scales, policy
@@ -52,9 +52,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", help="a subset of: source bf16 " +
                         " ".join(name for name, *_ in QUANTIZED))
     args = parser.parse_args()
-    saved = Path(args.pipeline) / CONFIG_FILE
-    changes = read_pipeline_toml(saved)  # only its [pipeline] and [eval] matter here: no stage runs
-    config = apply_changes(preset_config(changes.get("pipeline", {}).get("preset", "tiny")), changes, str(saved))
+    config = config_from_file(Path(args.pipeline) / CONFIG_FILE)  # its [pipeline] and [eval]; no stage runs here
     source = Path(args.pipeline) / args.stage / "hf"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -55,22 +55,27 @@ def saved_config(args) -> Path | None:
     return path if path is not None and path.is_file() and not args.config else None
 
 
+def config_from_file(source, preset: str | None = None, *, in_out: bool = False) -> PipelineConfig:
+    """The TOML file `source` over its preset: `preset` if given, else the one the file names (`[pipeline] preset`),
+    else tiny. `in_out`: the file is a pipeline directory's own (its errors then offer another --out)."""
+    changes = read_pipeline_toml(source)
+    named = changes.get("pipeline", {}).get("preset")
+    if named is not None and named not in PRESET_STAGES:
+        raise ValueError(f"{source}: [pipeline] preset = {named!r}: unknown pipeline preset; expected one of "
+                         f"{', '.join(PRESET_STAGES)}")
+    if preset and named and preset != named:
+        raise ValueError(f"--preset {preset}: {source} was resolved from the {named} preset; leave --preset "
+                         f"out to use it" + (", or choose another --out" if in_out else ""))
+    return apply_changes(preset_config(preset or named or "tiny"), changes, str(source))
+
+
 def resolve_config(args) -> PipelineConfig:
     """The preset <- the TOML file (--config, or OUT/pipeline_config.toml when the pipeline continues in OUT: a
     directory remembers the --preset, --config, --base and --set it was started with) <- --base <- --set, validated.
     The preset is --preset, else the one the file names (`[pipeline] preset`), else tiny."""
     source = args.config or saved_config(args)
-    changes = read_pipeline_toml(source) if source else {}
-    named = changes.get("pipeline", {}).get("preset")
-    if named is not None and named not in PRESET_STAGES:
-        raise ValueError(f"{source}: [pipeline] preset = {named!r}: unknown pipeline preset; expected one of "
-                         f"{', '.join(PRESET_STAGES)}")
-    if args.preset and named and args.preset != named:
-        raise ValueError(f"--preset {args.preset}: {source} was resolved from the {named} preset; leave --preset "
-                         f"out to use it" + (", or choose another --out" if not args.config else ""))
-    config = preset_config(args.preset or named or "tiny")
-    if source:
-        config = apply_changes(config, changes, str(source))
+    config = config_from_file(source, args.preset, in_out=not args.config) if source else \
+        preset_config(args.preset or "tiny")
     if getattr(args, "base", None):
         config = apply_changes(config, {"pipeline": {"base_model": args.base}, "pretrain": {"enabled": False}},
                                "--base")
