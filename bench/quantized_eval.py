@@ -37,7 +37,7 @@ QUANTIZED = (  # name, format, scales, policy
 def bf16_copy(source: Path, out: Path) -> None:
     """The source's weights rounded to BF16 (stored as BF16), its other files beside them."""
     model = load_pretrained(source, dtype=torch.bfloat16)
-    save_pretrained(model, out)
+    save_pretrained(model, out, overwrite=True)  # a rerun replaces its own copy
     for path in source.iterdir():
         if path.is_file() and path.suffix != ".safetensors" and not (out / path.name).exists():
             shutil.copy(path, out / path.name)

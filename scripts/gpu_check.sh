@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, as one command for a machine with a CUDA GPU (no package registry needed: it runs from src/ on the
-# torch that machine has, with numpy, safetensors, tokenizers and pytest). About 8 minutes on one H200:
+# torch that machine has, with numpy, safetensors, tokenizers and pytest). About 9 minutes on one H200:
 #
 #   scripts/gpu_check.sh [OUT_DIR]     # default runs/gpu_check: summary.md and steps.log (every step's output) go
 #                                      # there, the run directories under OUT_DIR/runs (or $GPU_CHECK_RUNS)
@@ -12,7 +12,9 @@
 # 2. `hybridtron pretrain` (tiny, 20 steps) as a plain CPU process and as one torchrun process on cuda:0, which is
 #    the distributed path on a mesh of one with NCCL; the loss curves side by side (fp32 on both, so they differ
 #    by float rounding in other kernels' orders, and by TF32 wherever torch's defaults let cuDNN use it), then the
-#    same on CUDA with train.compile, bf16 and nvfp4;
+#    same on CUDA with train.compile, bf16 and nvfp4, and with dist.offload_optimizer (FSDP2's CPU offload); then
+#    tests/dist/offload_worker.py on cuda:0 with and without the offload: where the master weights, gradients and
+#    AdamW moments are (bytes by device, to compare with `hybridtron plan`'s) and what is left allocated on the GPU;
 # 3. `hybridtron sft` on one torchrun process on cuda:0 from that export (a few steps);
 # 4. bench/compile.py on cuda: eager against train.compile on bench22m, tokens/s and MFU against the measured peak,
 #    in fp32 and in bf16 autocast.
@@ -59,6 +61,8 @@ step pretrain_cuda 120 "${torchrun[@]}" pretrain --out "$runs/cuda" "${tiny[@]}"
 step pretrain_cuda_compile 150 "${torchrun[@]}" pretrain --out "$runs/cuda_compile" "${tiny[@]}" --set train.compile=true
 step pretrain_cuda_bf16 90 "${torchrun[@]}" pretrain --out "$runs/cuda_bf16" "${tiny[@]}" --set train.precision=bf16
 step pretrain_cuda_nvfp4 90 "${torchrun[@]}" pretrain --out "$runs/cuda_nvfp4" "${tiny[@]}" --set train.precision=nvfp4
+step pretrain_cuda_offload 120 "${torchrun[@]}" pretrain --out "$runs/cuda_offload" "${tiny[@]}" \
+    --set dist.offload_optimizer=true
 $python - "$runs" >>"$summary" 2>&1 <<'EOF'
 import json, sys
 from pathlib import Path
@@ -70,7 +74,7 @@ def losses(run):
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
 reference = losses("cpu")
 print("\n| run | final loss | max abs loss difference from the CPU run |\n|---|---:|---:|")
-for run in ("cpu", "cuda", "cuda_compile", "cuda_bf16", "cuda_nvfp4"):
+for run in ("cpu", "cuda", "cuda_compile", "cuda_bf16", "cuda_nvfp4", "cuda_offload"):
     got = losses(run)
     if got is None or reference is None:
         print(f"| {run} | - | no metrics |")
@@ -78,6 +82,25 @@ for run in ("cpu", "cuda", "cuda_compile", "cuda_bf16", "cuda_nvfp4"):
     gap = max(abs(got[s] - reference[s]) for s in reference if s in got)
     print(f"| {run} | {got[max(got)]:.4f} | {gap:.2e} |")
 print()
+EOF
+
+step offload_placement 120 $python -m torch.distributed.run --standalone --nproc-per-node 1 \
+    tests/dist/offload_worker.py "$out/offload.json" steps=3 offload_optimizer=1,steps=3
+$python - "$out/offload.json" >>"$summary" 2>&1 <<'EOF'
+import json, sys
+from pathlib import Path
+path = Path(sys.argv[1])
+if not path.is_file():
+    sys.exit(print("- offload placement: no results"))
+runs = json.loads(path.read_text())
+print("| dist.offload_optimizer | master weights | gradients | AdamW moments | allocated on the GPU | loss at step 3 |")
+print("|---|---|---|---|---:|---:|")
+for text, run in runs.items():
+    rank = run["ranks"][0]
+    where = lambda kind: ", ".join(f"{n:,} B on {device}" for device, n in rank["bytes"][kind].items())
+    print(f"| {'true' if 'offload' in text else 'false'} | {where('master')} | {where('grads')} | {where('moments')} "
+          f"| {rank['device_allocated'] or 0:,} B | {run['steps'][-1]['losses']['loss']:.6f} |")
+print(f"\n{runs[list(runs)[-1]]['describe']}\n")
 EOF
 
 step sft_cuda 90 "${torchrun[@]}" sft --model "$runs/cuda/hf" --data env:math --out "$runs/sft_cuda" --quiet \

@@ -10,7 +10,13 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) &
   chromium_install=$!
 fi
+# vLLM's venv (.venv-vllm, for tests/with_vllm) installs beside .venv at the same time, into its own directory
+./scripts/setup_vllm.sh &
+vllm_install=$!
 ./scripts/setup.sh
+if ! wait "$vllm_install"; then
+  echo "test: scripts/setup_vllm.sh failed (above); tests/with_vllm will fail (HYBRIDTRON_NO_VLLM=1 skips them)" >&2
+fi
 if [ -n "$chromium_install" ] && ! wait "$chromium_install"; then
   echo "warning: could not install chromium; the report rendering test will be skipped" >&2
 fi

@@ -3,6 +3,8 @@ layer kinds that runs in milliseconds on a CPU."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from xdist.scheduler import LoadScopeScheduling
@@ -27,7 +29,7 @@ LONGEST_MODULES = (
     "tests/recipe/test_pipeline.py", "tests/dist/test_dist_sft.py", "tests/dist/test_hyperball_dist.py",
     "tests/dist/test_ring_attention.py", "tests/train/test_monitor.py", "tests/train/test_report.py",
     "tests/train/test_fault_injection.py", "tests/dist/test_document_mask_layouts.py", "tests/train/test_golden.py",
-    "tests/infer/test_compiled_decode.py", "tests/train/test_preflight.py",
+    "tests/infer/test_compiled_decode.py", "tests/train/test_preflight.py", "tests/with_vllm/test_vllm_exports.py",
 )
 
 
@@ -106,20 +108,29 @@ def seq_idx_by_hand():
     return _seq_idx_by_hand
 
 
+def _trained_run(root: Path, preset: str) -> Path:
+    import argparse
+
+    from hybridtron.train import pretrain
+
+    overrides = ["data.families=json,text,functional", "data.vocab_size=512", "model.vocab_size=512",
+                 f"data.cache_dir={root / 'cache'}", "data.seq_len=64", "data.batch_size=4", "data.val_batches=2",
+                 "train.val_every=1000", "train.checkpoint_every=1000", "train.warmup_steps=5", "train.lr=3e-3"]
+    args = argparse.Namespace(preset=preset, out=str(root / "run"), steps=30, config=None, overrides=overrides,
+                              resume=False, quiet=True, print_config=False)
+    assert pretrain.run(args) == 0
+    return root / "run"
+
+
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
     """A run directory of `hybridtron pretrain` trained for 30 steps on a few stdlib families (a 512-token vocabulary,
     64-token rows): a checkpoint whose weights have moved from their initialization, for parity tests on real text.
     Built once per session (about 15 s)."""
-    import argparse
+    return _trained_run(tmp_path_factory.mktemp("trained"), "tiny")
 
-    from hybridtron.train import pretrain
 
-    root = tmp_path_factory.mktemp("trained")
-    overrides = ["data.families=json,text,functional", "data.vocab_size=512", "model.vocab_size=512",
-                 f"data.cache_dir={root / 'cache'}", "data.seq_len=64", "data.batch_size=4", "data.val_batches=2",
-                 "train.val_every=1000", "train.checkpoint_every=1000", "train.warmup_steps=5", "train.lr=3e-3"]
-    args = argparse.Namespace(preset="tiny", out=str(root / "run"), steps=30, config=None, overrides=overrides,
-                              resume=False, quiet=True, print_config=False)
-    assert pretrain.run(args) == 0
-    return root / "run"
+@pytest.fixture(scope="session")
+def trained_dense_run(tmp_path_factory):
+    """`trained_run` of the `tiny-dense` preset (Mamba-2, attention and MLP layers: what vLLM's CPU backend runs)."""
+    return _trained_run(tmp_path_factory.mktemp("trained_dense"), "tiny-dense")

@@ -1,7 +1,8 @@
-"""The README, the guides under docs/ and BENCHMARKS.md stay true and whole: the README's layout names every module
-of the package, its tour links every guide, no file repeats a section, every relative link resolves (anchors
-included), BENCHMARKS.md opens with the table of current figures, docs/LOG.md opens with an index of its entries,
-and every command shown in a shell block names a real command of `hybridtron` with options it accepts.
+"""The README, the guides under docs/ (docs/experiments/ included) and BENCHMARKS.md stay true and whole: the README's
+layout names every module of the package, its tour links every guide, no file repeats a section, every relative link
+resolves (anchors included), BENCHMARKS.md opens with the table of current figures (one row a figure, each naming its
+CPU) and stays short, docs/LOG.md opens with an index of its entries, and every command shown in a shell block names
+a real command of `hybridtron` with options it accepts.
 
 Fast by design: nothing here trains or runs a command; the commands are parsed by the CLI's own argparse parsers."""
 
@@ -26,11 +27,13 @@ LOG = ROOT / "docs" / "LOG.md"
 GUIDES = ("model", "pretraining", "nvfp4", "stability", "inference", "post-training", "evaluation", "research",
           "scale-out")
 MAX_README_LINES = 350
+MAX_BENCHMARKS_LINES = 400
 FIGURE_COLUMNS = ["figure", "value", "goal", "command", "CPU", "date"]
 
 
 def markdown_files() -> list[Path]:
-    return [README, BENCHMARKS, *sorted((ROOT / "docs").glob("*.md"))]
+    docs = ROOT / "docs"
+    return [README, BENCHMARKS, *sorted(docs.glob("*.md")), *sorted((docs / "experiments").glob("*.md"))]
 
 
 def rel(path: Path) -> str:
@@ -208,11 +211,29 @@ def test_benchmarks_opens_with_the_table_of_current_figures():
     assert re.fullmatch(r"[-:| ]+", tables[0].split("\n")[1]), "the table's second line must be its separator"
     figures = rows[2:]
     assert len(figures) >= 10, "the current-figures table has too few rows"
+    # the CPUs a row may name: the bold names of the list under the table ("- **Zen 4**: AMD EPYC ...")
+    cpus = re.findall(r"^- \*\*([^*]+)\*\*:", before_sections, re.M)
+    assert cpus, "BENCHMARKS.md has no list of CPUs (\"- **NAME**: lscpu's model and flags\") under its table"
     for row in figures:
         assert len(row) == len(FIGURE_COLUMNS), f"a row of the current-figures table has {len(row)} cells: {row}"
         figure, value, goal, command, cpu, date = row
         assert figure and value and goal and command and cpu, f"an empty cell in the current-figures table: {row}"
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date), f"not a date in the current-figures table: {row}"
+        assert any(cpu == name or cpu.startswith(f"{name} (") for name in cpus), \
+            f"the current-figures row {figure!r} names the CPU {cpu!r}, not one of the list under the table " \
+            f"({', '.join(cpus)}); a run whose CPU was not recorded belongs in docs/LOG.md"
+        assert "the same" not in command, f"the current-figures row {figure!r} must write its command out"
+    names = [row[0] for row in figures]
+    assert len(set(names)) == len(names), "a figure has two rows in the current-figures table (keep the newest)"
+
+
+def test_benchmarks_is_short():
+    """One row per figure and a few lines per run; longer write-ups live in docs/experiments/, older runs in
+    docs/LOG.md (issue 46: the file had grown to 1,777 lines)."""
+    lines = len(BENCHMARKS.read_text().splitlines())
+    assert lines <= MAX_BENCHMARKS_LINES, \
+        f"BENCHMARKS.md has {lines} lines; at most {MAX_BENCHMARKS_LINES} (move write-ups to docs/experiments/, " \
+        "older runs to docs/LOG.md)"
 
 
 def test_the_log_opens_with_an_index_of_its_entries():
@@ -300,7 +321,7 @@ def hybridtron_args(words: list[str]) -> list[str] | None:
 
 
 def example_files() -> list[Path]:
-    return [README, BENCHMARKS, *sorted((ROOT / "docs").glob("*.md"))]
+    return markdown_files()
 
 
 @pytest.mark.parametrize("path", example_files(), ids=rel)

@@ -3,6 +3,10 @@
 Every command module defines `add_arguments(parser)` and `run(args) -> int | None` (the training commands through
 the run scaffold, hybridtron.train.run). The registry below is lazy: a command's module, with torch and everything
 it imports, loads only when that command runs or shows its help, so `hybridtron --help` stays fast.
+
+How every command ends (`main`): a user's mistake (ValueError, FileNotFoundError) is one line `hybridtron CMD:
+error: ...` and exit 2; an interruption or a deliberate stop says so; output piped to a reader that went away
+(`hybridtron plan ... | head -2`) ends quietly with exit 141. tests/test_cli_contract.py holds every command to it.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import sys
 
 from hybridtron import __version__
@@ -48,8 +53,38 @@ def build_parser(load: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+    except (OSError, ValueError, AttributeError):  # not a file descriptor (a test's capture), or no poll here
+        return False
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        try:
+            status = run_command(sys.argv[1:] if argv is None else argv)
+        except SystemExit:  # argparse's --help and usage errors: their text may still wait in stdout's buffer
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()  # here, not in the interpreter's flush at exit, a closed pipe is seen by the handler below
+        return status
+    except BrokenPipeError:
+        if not stdout_reader_gone():  # a pipe of the command's own broke (a worker process died): a real failure
+            raise
+        # the reader went away (`hybridtron plan ... | head -2`): what it wanted, it has. Python ignores SIGPIPE, so
+        # a write raises instead; point stdout at devnull, or the interpreter's flush at exit raises again (Python's
+        # docs, "Note on SIGPIPE"). 141 = 128 + SIGPIPE, what the shell reports for a command the pipe stopped.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
+
+
+def run_command(argv: list[str]) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(load=command if command in COMMANDS else None)
     args = parser.parse_args(argv)

@@ -422,6 +422,14 @@ def tiny(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def tiny_dense(**overrides) -> ModelConfig:
+    """`tiny` without MoE: Mamba-2, attention and dense MLP layers, and an attention-only MTP block. What vLLM's CPU
+    backend runs (it has no kernel for relu2 routed experts, and vLLM's nemotron_h MTP takes attention and MoE layers
+    only), so the vLLM rollouts and exports are tested and measured on it (docs/deployment.md#serving-with-vllm)."""
+    return tiny(**{"layers_block_type": parse_pattern("M-*-M-M-"), "mtp_layers_block_type": (ATTENTION,),
+                   **overrides})
+
+
 def bench22m(**overrides) -> ModelConfig:
     """The 22.6M-parameter benchmark config: bench/train_step.py and bench/decode.py time it against transformers."""
     base = dict(
@@ -517,7 +525,8 @@ def ultra3(**overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-PRESETS = {"tiny": tiny, "bench22m": bench22m, "deep": deep, "nano3": nano3, "super3": super3, "ultra3": ultra3}
+PRESETS = {"tiny": tiny, "tiny-dense": tiny_dense, "bench22m": bench22m, "deep": deep, "nano3": nano3,
+           "super3": super3, "ultra3": ultra3}
 
 
 def preset(name: str, **overrides) -> ModelConfig:

@@ -226,7 +226,7 @@ def test_sharded_round_trip_and_overwrite(small_config, tmp_path):
     loaded = load_pretrained(target)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
     # saving again, unsharded, into the same directory leaves no stale shard or index behind
-    save_pretrained(model, target)
+    save_pretrained(model, target, overwrite=True)
     assert sorted(p.name for p in target.iterdir()) == ["config.json", SINGLE_FILE]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging directories left
 

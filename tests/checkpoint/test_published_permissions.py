@@ -45,7 +45,7 @@ def test_hf_export_is_readable_by_others(small_config, tmp_path, umask, max_shar
     if max_shard_bytes is not None:
         assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 1, "the sharded layout is tested"
     assert_published(tmp_path / "hf", umask)
-    save_pretrained(model, tmp_path / "hf", **options)  # replacing an export keeps it readable
+    save_pretrained(model, tmp_path / "hf", overwrite=True, **options)  # replacing an export keeps it readable
     assert_published(tmp_path / "hf", umask)
     assert [p.name for p in tmp_path.iterdir()] == ["hf"], "no staging directory is left behind"
 

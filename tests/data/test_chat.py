@@ -185,6 +185,16 @@ def test_tokenizer_files(tokenizer, tmp_path):
                                require_template=True).fingerprint == tokenizer.fingerprint
 
 
+def test_exported_tokenizer_adds_bos_once(tokenizer, hf_tokenizer):
+    """A plain HF consumer gets the bos the model was trained with; hybridtron's encoding and the chat template
+    (rendered, then encoded without special tokens) do not get a second one."""
+    text = "def parse(x):"
+    assert hf_tokenizer(text).input_ids == [tokenizer.bos_id] + tokenizer.encode(text)
+    assert hf_tokenizer(text, add_special_tokens=False).input_ids == tokenizer.encode(text)
+    chat = hf_tokenizer.apply_chat_template(MULTI_TURN, tokenize=True, return_dict=False)
+    assert list(chat).count(tokenizer.bos_id) == 1 and chat[0] == tokenizer.bos_id
+
+
 def test_models_without_our_chat_format_are_refused(tokenizer, tmp_path):
     base = tmp_path / "base"
     tokenizer.save(base)  # a pretrained model: tokenizer.json only

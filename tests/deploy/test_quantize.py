@@ -200,5 +200,6 @@ def test_bad_input_one_line(trained_run, nvfp4_out, tmp_path, capsys):
     assert main(["quantize", "--model", str(tmp_path / "nowhere"), "--format", "nvfp4",
                  "--out", str(tmp_path / "y")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"hybridtron quantize: error: {tmp_path / 'nowhere'}: no such checkpoint directory"]
+    assert err == [f"hybridtron quantize: error: --model {tmp_path / 'nowhere'}: no such directory (expected an HF "
+                   f"checkpoint directory or a run directory)"]
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

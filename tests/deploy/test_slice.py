@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from hybridtron.checkpoint import load_pretrained, save_pretrained
-from hybridtron.checkpoint.hf import FP32_TENSORS
+from hybridtron.checkpoint.hf import FP32_TENSORS, TOKENIZER_FILES
 from hybridtron.cli import main
 from hybridtron.config import ATTENTION, MAMBA, MLP, MOE, PRESETS, SLICED_FROM_KEY, ModelConfig, preset, tiny, ultra3
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.deploy.slice import slice_config, spread_layers
-from hybridtron.dist.convert import TOKENIZER_FILES
 from hybridtron.model.lm import HybridLM
 
 
@@ -197,7 +196,8 @@ def small_checkpoint(tmp_path_factory):
     ([], "give --layers N"),
     (["--preset", "tiny", "--layers", "4"], "give --model DIR (a checkpoint to slice) or --preset NAME (its config "
                                             "alone), not both"),
-    (["--out-exists", "--layers", "4"], "exists and is not an empty directory"),
+    (["--out-exists", "--layers", "4"], "already holds a checkpoint (config.json): pass --overwrite to replace its "
+                                         "checkpoint files (the other files there are kept)"),
 ])
 def test_bad_input_gets_one_line_and_writes_nothing(small_checkpoint, tmp_path, capsys, argv, message):
     out, out_exists = tmp_path / "out", "--out-exists" in argv

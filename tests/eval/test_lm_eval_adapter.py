@@ -6,6 +6,7 @@ log-likelihoods too, and generate_until gives the greedy continuation cut at the
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -147,7 +148,9 @@ def test_the_chat_template_when_asked(checkpoint):
 
 def test_bad_model_arguments_are_one_line(checkpoint, tmp_path):
     for arguments, message in (({}, "needs pretrained=DIR"), ({"pretrained": str(checkpoint), "dtype": "int8"},
-                                                               "dtype 'int8'")):
+                                                               "dtype 'int8'"),
+                               ({"pretrained": str(checkpoint), "device": "banana"},
+                                "device 'banana': expected cpu, cuda or cuda:N")):
         with pytest.raises(ValueError, match=message) as error:
             HybridtronLM(**arguments)
         assert "\n" not in str(error.value)
@@ -157,3 +160,21 @@ def test_bad_model_arguments_are_one_line(checkpoint, tmp_path):
     lm = HybridtronLM(str(checkpoint), device="cpu", max_length=32)
     with pytest.raises(ValueError, match=r"max_gen_toks 32 must lie in \[1, max_length 32\)"):
         lm.sampling_params({"max_gen_toks": 32, "until": []})
+
+
+def test_each_kind_of_request_shows_a_progress_line(checkpoint, capsys):
+    """The adapter's own line on stderr (lm_eval leaves progress to its models), `batch_size` requests at a time;
+    `progress=False` (eval harness --quiet) or lm_eval's disable_tqdm: none. Generation in batches samples as one
+    call would."""
+    lm = HybridtronLM(str(checkpoint), device="cpu", batch_size=2, max_length=64)
+    requests = [(None, [lm.tokenizer.bos_id, 5 + i], [7, 8]) for i in range(3)]
+    scores = lm._loglikelihood_tokens(requests)
+    err = capsys.readouterr().err
+    assert "eval harness 0/3 loglikelihood requests" in err and "eval harness 3/3 loglikelihood requests" in err
+    assert lm._loglikelihood_tokens(requests, disable_tqdm=True) == scores and capsys.readouterr().err == ""
+    asked = [SimpleNamespace(args=(text, {"until": [], "max_gen_toks": 3, "do_sample": True, "temperature": 1.0}))
+             for text in ["a", "b", "c"]]
+    texts = lm.generate_until(asked)
+    assert "eval harness 3/3 generate_until requests (100%)" in capsys.readouterr().err
+    lm.progress, lm.batch_size = False, 3  # one call of all three
+    assert lm.generate_until(asked) == texts and capsys.readouterr().err == ""

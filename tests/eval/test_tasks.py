@@ -110,3 +110,19 @@ def test_pass_at_k_of_sampled_completions_is_the_unbiased_estimate(tokenizer, sm
     assert pass_at_k(4, 1, 2) == pytest.approx(0.5) and pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)
     with pytest.raises(ValueError, match="a temperature > 0"):  # greedy samples would all be the same
         evaluate_env(model, tokenizer, env, TASKS[:2], samples=4)
+
+
+def test_a_completion_the_context_cut_is_reported_as_such_not_as_max_tokens(tokenizer, small_config):
+    """A context 3 tokens past the longest prompt, and max_tokens far beyond it: the completions that never closed
+    their turn were cut by the context, and the summary says so."""
+    env = Recorder()
+    longest = max(len(tokenize_chat(tokenizer, env.prompt_messages(t), add_generation_prompt=True).ids)
+                  for t in TASKS)
+    model = HybridLM(small_config(vocab_size=512, max_position_embeddings=longest + 3)).eval()
+    result = evaluate_env(model, tokenizer, env, TASKS, max_tokens=1000)
+    assert result.context == longest + 3 and result.truncated_share == 0
+    assert result.context_cut_share > 0 and result.mean_completion_tokens <= 3 + longest
+    assert f"cut by the model's context ({longest + 3} tokens)" in result.format()
+    assert "0% cut at max_tokens" in result.format()
+    capped = evaluate_env(model, tokenizer, env, TASKS, max_tokens=1)
+    assert capped.context_cut_share == 0 and "cut by the model's context" not in capped.format()

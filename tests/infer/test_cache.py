@@ -122,7 +122,8 @@ def test_cache_bounds_and_memory(small_config):
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "fp32"])
 def test_store_states_rounds_to_the_format(small_config, mode):
     config = small_config(ssm_state_size=200)  # int8: one block of 128 and a partial one
-    cache = HybridCache.allocate(config, 2, 8, state_quant=mode, quant_seed=3)
+    # the reference: fp32 buffers rounded in place (the stored cache decodes as it does, test_stored_state.py)
+    cache = HybridCache.allocate(config, 2, 8, state_quant=mode, quant_seed=3, reference_quant=True)
     state = mamba_states(cache)[0]
     values = torch.randn_like(state.ssm_BHPN)
     state.ssm_BHPN.copy_(values)
@@ -143,11 +144,12 @@ def test_store_states_rounds_to_the_format(small_config, mode):
             assert torch.allclose(stored / scale, torch.round(stored / scale), atol=1e-3)
             assert ((stored - original).abs() <= scale * (1.0 if mode.endswith("sr") else 0.5) + 1e-6).all()
     assert not torch.equal(state.ssm_BHPN, values)
-    # the cache counts the bytes of the stored format
+    # the stored cache holds (and counts) the bytes of the stored format
+    stored = HybridCache.allocate(config, 2, 8, state_quant=mode)
     expected_ssm = 2 * quantize_state(values[0], mode).nbytes
     conv = state.conv_BCK.nbytes
-    assert cache.memory_bytes() == sum(layer.k_BHTD.nbytes * 2 for layer in kv_caches(cache)) + \
-        len(mamba_states(cache)) * (conv + expected_ssm)
+    assert stored.memory_bytes() == sum(layer.k_BHTD.nbytes * 2 for layer in kv_caches(stored)) + \
+        len(mamba_states(stored)) * (conv + expected_ssm)
 
 
 def test_store_states_fp32_is_a_no_op(small_config):

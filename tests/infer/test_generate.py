@@ -212,7 +212,7 @@ def test_generate_command_errors(tmp_path, small_config, capsys):
     assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x"]) == 2
     assert "tokenizer.json is missing" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "nowhere"), "--prompt", "x"]) == 2
-    assert "no such checkpoint directory" in capsys.readouterr().err
+    assert "--model" in (err := capsys.readouterr().err) and "no such directory" in err
     assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x", "--top-p", "0"]) == 2
     assert "--top-p" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "x", "--max-tokens", "-1"]) == 2
@@ -267,21 +267,48 @@ def test_generate_command_compiled_reports_the_compile_it_spent(tmp_path, small_
     assert reported > 0.5 * (compiled_seconds - plain_seconds), (reported, compiled_seconds, plain_seconds)
 
 
-def test_the_summary_says_whether_decoding_drafted():
-    """No speculative decoding, or an adaptive draft length that settled at 0: "plain decode", never "speculative,
-    draft length 0"."""
-    def stats(draft_length, steps, accepted):
-        return AcceptanceStats(draft_length=draft_length, steps=steps, accepted=accepted)
+def test_the_summary_says_what_decoding_did():
+    """No speculative decoding, or no step drafted: "plain decode", never "draft length 0"; "did not pay" only where
+    the controller measured it and turned drafting off; the draft lengths are those the verification steps used."""
+    def stats(lengths, accepted, **flags):
+        return AcceptanceStats(draft_length=max(lengths, default=0), steps=sum(lengths.values()), accepted=accepted,
+                               draft_lengths=lengths, **flags)
 
     assert summary(10, 0.5, None, None) == "[10 tokens in 0.50s, 20.0 tokens/s; plain decode]"
-    settled = summary(10, 0.5, None, stats(0, 0, 0))
-    assert "; plain decode: drafting did not pay" in settled and "draft length 0" not in settled
-    probed = summary(10, 0.5, None, stats(0, 1, 0))
-    assert "plain decode" in probed and "(1 verification step probed it, mean acceptance length 1.00)" in probed
-    assert summary(10, 0.5, None, stats(3, 4, 6)).endswith(
-        "; speculative, draft length 3: mean acceptance length 2.50 over 4 verification steps]")
+    assert summary(0, 0.5, None, stats({}, 0, adaptive=True)).endswith("; no decode step, nothing drafted]")
+    assert summary(10, 0.5, None, stats({}, 0, adaptive=True)).endswith("; plain decode, no step drafted]")
+    off = summary(10, 0.5, None, stats({}, 0, adaptive=True, drafting_off=True))
+    assert off.endswith("plain decode, no step drafted (drafting off: it did not pay at the measured acceptance "
+                        "and step times)]")
+    assert summary(10, 0.5, None, stats({3: 4}, 6)).endswith(
+        "; speculative, draft length 3: mean acceptance length 2.50 over 4 verification steps, 6 of 12 drafts "
+        "accepted]")
+    # an adaptive run that drafted at k = 1..3, then stopped: the acceptance is over all those steps
+    adapted = summary(64, 2.0, None, stats({1: 5, 2: 10, 3: 11}, 35, adaptive=True, drafting_off=True))
+    assert "; speculative, draft lengths 1..3 (adapted to the measured acceptance and step times: they vary run to " \
+           "run): mean acceptance length 2.35 over 26 verification steps, 35 of 58 drafts accepted; then drafting " \
+           "off: it did not pay" in adapted
     compiled = summary(10, 0.5, 12.25, None)
     assert "20.0 tokens/s (steady state); decode step compiled in 12.25s before them; plain decode]" in compiled
+
+
+def test_generate_command_summary_matches_what_was_measured(tmp_path, small_config, tokenizer, capsys):
+    """The summary of a real adaptive run never shows a mean acceptance length above the longest draft length
+    used + 1, and `--max-tokens 0` says nothing was drafted (no "did not pay": nothing was measured)."""
+    model = HybridLM(small_config(vocab_size=640, max_position_embeddings=96)).eval()
+    save_pretrained(model, tmp_path / "ckpt")
+    tokenizer.save(tmp_path / "ckpt")
+    args = ["generate", "--model", str(tmp_path / "ckpt"), "--prompt", "def generate_tokens(model", "--seed", "0"]
+    assert main(args + ["--max-tokens", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "[0 tokens in" in err and "no decode step, nothing drafted]" in err and "did not pay" not in err
+    assert main(args + ["--max-tokens", "40"]) == 0
+    err = capsys.readouterr().err
+    found = re.search(r"draft lengths? (\d+)(?:\.\.(\d+))?.*mean acceptance length ([0-9.]+) over (\d+) verif", err)
+    assert found, err
+    low, high, mean = int(found[1]), int(found[2] or found[1]), float(found[3])
+    assert 1 <= low <= high and 1.0 <= mean <= high + 1, err
+    assert "adapted to the measured acceptance and step times" in err
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -311,7 +338,10 @@ def test_engine_streams_what_generate_emits(checkpoint, tokenizer):
         assert list(engine.stream(prompt, params)) == expected
         pairs = list(engine.stream_text(prompt, params))  # the text layer over this engine
         assert "".join(delta for _, delta in pairs) == tokenizer.decode(expected)
-    assert engine.last_stats.steps > 0
+    stats = engine.last_stats  # a fixed k = 2 (shorter where fewer tokens remain), never the controller's
+    assert stats.steps == sum(stats.draft_lengths.values()) > 0 and set(stats.draft_lengths) <= {1, 2}
+    assert stats.mean_acceptance_length <= max(stats.draft_lengths) + 1
+    assert not stats.adaptive and not stats.drafting_off
 
 
 def test_engine_chat_template_and_end_tokens(checkpoint):

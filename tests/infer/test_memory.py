@@ -110,7 +110,26 @@ def test_memory_command(capsys, tmp_path):
     assert main(["memory", "--preset", "nano3", "--config", str(tmp_path)]) == 2
     assert "not both" in capsys.readouterr().err
     assert main(["memory", "--config", str(tmp_path / "missing")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert f"--config {tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
+
+
+def test_memory_command_reads_a_run_directory(capsys, tmp_path):
+    """`--config RUN_DIR` reads the run's hf/ export, as `--model` does everywhere; a training checkpoint (a DCP step
+    directory) is refused in one line pointing at `hybridtron convert`."""
+    (tmp_path / "run" / "hf").mkdir(parents=True)
+    (tmp_path / "run" / "hf" / "config.json").write_text(nano3().to_json())
+    step = tmp_path / "run" / "checkpoints" / "step_000100"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    printed = {}
+    for source in ("run", "run/hf", "run/hf/config.json"):
+        assert main(["memory", "--config", str(tmp_path / source), "--context", "1000", "--json"]) == 0
+        printed[source] = json.loads(capsys.readouterr().out)
+    assert printed["run"] == printed["run/hf"] == printed["run/hf/config.json"]
+    assert main(["memory", "--config", str(step)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hybridtron memory: error: --config {step} is a training checkpoint") and \
+        f"hybridtron convert --from {step}" in err and len(err.splitlines()) == 1
 
 
 def test_slot_bytes_are_what_the_engine_allocates_per_slot(small_config):

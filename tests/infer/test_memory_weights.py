@@ -57,13 +57,25 @@ def test_ultra3_on_eight_h100s_against_the_report():
 
 
 def test_memory_command_prints_the_weights_table(capsys):
+    """`--weights` alone prints the weights table alone (what docs/deployment.md shows); `--context` or
+    `--budget-gib` adds the cache table before it."""
     assert main(["memory", "--preset", "ultra3", "--weights", "fp8", "--policy", "experts"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 5 and lines[0] == "ultra3: weights under export policy 'experts' on 8 GPUs of 80 GiB"
+    for cache in (["--context", "65536"], ["--budget-gib", "80"]):
+        assert main(["memory", "--preset", "ultra3", "--weights", "fp8", "--policy", "experts", *cache]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("ultra3: 12 attention layers, 48 Mamba layers") and "KV cache (fp8) per token" in out
+        assert out.splitlines()[-5] == "ultra3: weights under export policy 'experts' on 8 GPUs of 80 GiB"
+    assert main(["memory", "--preset", "ultra3", "--weights", "fp8", "--policy", "experts", "--context", "65536"]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = lines.index("ultra3: weights under export policy 'experts' on 8 GPUs of 80 GiB")
     fp8 = next(line for line in lines[header:] if line.strip().startswith("fp8"))
     assert fp8.split() == ["fp8", "554.4", "GiB", "69.3", "GiB", "10.7", "GiB", "<-"]
     assert main(["memory", "--preset", "ultra3", "--weights", "nvfp4", "--gpus", "4", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["weights"]
+    printed = json.loads(capsys.readouterr().out)
+    rows = printed["weights"]
     assert [row["weights"] for row in rows] == ["nvfp4", "fp8", "bf16"] and rows[0]["gpus"] == 4
+    assert list(printed) == ["weights"]
     assert main(["memory", "--preset", "tiny", "--weights", "nvfp4", "--gpus", "0"]) != 0
     assert capsys.readouterr().err.strip() == "hybridtron memory: error: --gpus: expected a number of GPUs >= 1, got 0"

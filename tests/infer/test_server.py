@@ -433,7 +433,8 @@ BAD_REQUESTS = [
     ("image content", "/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
      "messages[0].content", None),
-    ("tools", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []},
+    ("tools not declarations", "/v1/chat/completions",
+     {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval"}]},
      400, "tools", None),
 ]
 
@@ -697,9 +698,14 @@ def test_shutdown_cancels_what_outlives_the_graceful_timeout():
 
 # ------------------------------------------------------------------------------------------ the command
 @pytest.fixture
-def serve_command(monkeypatch):
+def serve_command(monkeypatch, tmp_path):
     """`hybridtron serve` with a fake engine and a uvicorn server that returns at once: `calls["load"]` holds
-    load_engine's (model_dir, options), `calls["run"]` the server's (config, bound address, app)."""
+    load_engine's (model_dir, options), `calls["run"]` the server's (config, bound address, app). `tmp_path` looks
+    like a checkpoint (a config.json) that declares hybridtron's chat template."""
+    from hybridtron.data.chat import CHAT_TEMPLATE
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     calls = {}
 
     def load_engine(model_dir, **options):
@@ -736,11 +742,49 @@ def test_serve_command_wires_the_engine(serve_command, tmp_path, capsys):
     assert calls["run"][2].state.engine.model_name == MODEL
 
     capsys.readouterr()
+    calls.clear()
     assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
-    assert "no such checkpoint directory" in capsys.readouterr().err
+    assert f"--model {tmp_path / 'missing'}: no such directory" in capsys.readouterr().err
+    assert calls == {}  # refused before the model loaded
     for bad in (["--draft-length", "0"], ["--max-queue", "-1"], ["--request-timeout", "-1"], ["--port", "70000"]):
         assert main(["serve", "--model", str(tmp_path), *bad]) == 2
         assert bad[0] in capsys.readouterr().err
+
+
+def test_serve_says_when_the_checkpoint_has_no_chat_template(serve_command, tmp_path, capsys):
+    """A checkpoint that declares no chat template (a base model): the start line is followed by one line saying so,
+    what /v1/chat/completions renders instead, and that /v1/completions takes plain text; a chat model gets none."""
+    from hybridtron.cli import main
+
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 0
+    assert "chat template" not in capsys.readouterr().err
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 0
+    start, note = capsys.readouterr().err.strip().splitlines()
+    assert "/v1 (no API key" in start
+    assert f"{tmp_path} declares no chat template" in note and "hybridtron's ChatML format" in note
+    assert "send plain text to /v1/completions" in note
+
+
+def test_serve_says_when_the_checkpoint_is_a_pretraining_runs_export(serve_command, tmp_path, capsys):
+    """hybridtron writes its chat template into every export, a base model's too: a run directory whose
+    run_config.json trains on a text mixture (pretraining's [data] section) is named a base model at start, by its
+    run directory or its hf/; an SFT run's export (its data a file or an environment) gets no note."""
+    from hybridtron.cli import main
+
+    run = tmp_path / "run"
+    (run / "hf").mkdir(parents=True)
+    for name in ("config.json", "tokenizer_config.json"):
+        (run / "hf" / name).write_text((tmp_path / name).read_text())
+    (run / "run_config.json").write_text(json.dumps({"model": {}, "data": {"seq_len": 256}}))
+    for model in (run, run / "hf"):
+        assert main(["serve", "--model", str(model), "--port", "0"]) == 0
+        _, note = capsys.readouterr().err.strip().splitlines()
+        assert "export of a pretraining run" in note and "never fine-tuned for chat" in note
+        assert "send plain text to /v1/completions" in note
+    (run / "run_config.json").write_text(json.dumps({"model": {}, "data": "env:math", "sft": {}}))
+    assert main(["serve", "--model", str(run), "--port", "0"]) == 0
+    assert "pretraining" not in capsys.readouterr().err
 
 
 def test_serve_port_0_prints_the_port_it_bound(serve_command, tmp_path, capsys):

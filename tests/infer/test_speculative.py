@@ -203,6 +203,7 @@ def test_acceptance_stats_and_errors(small_config):
         stats.record(n, k)
     assert stats.histogram == [1, 1, 0, 1] and stats.mean_acceptance_length == (4 + 3) / 3
     assert stats.draft_length == 3 and AcceptanceStats().mean_acceptance_length == 0.0
+    assert stats.draft_lengths == {2: 1, 3: 2} and stats.drafted == 8  # the steps by the draft length they used
     model = HybridLM(small_config(num_nextn_predict_layers=0))
     with pytest.raises(ValueError, match="no MTP block|has none"):
         SpeculativeDecoder(model, [[1]], SamplingParams())

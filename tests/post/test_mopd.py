@@ -577,7 +577,7 @@ def test_unknown_domain_without_fallback_and_foreign_teachers_are_errors(models,
     assert cli_main(["mopd", "--teachers", f"alpha={models['alpha']}", *common]) == 2
     assert "--student is required" in capsys.readouterr().err
     assert cli_main(["mopd", "--student", str(tmp_path / "none"), "--general", str(models["beta"]), *common]) == 2
-    assert "--student " + str(tmp_path / "none") + ": no such checkpoint directory" in capsys.readouterr().err
+    assert "--student " + str(tmp_path / "none") + ": no such directory" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 

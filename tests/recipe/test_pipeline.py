@@ -155,7 +155,9 @@ def test_a_change_to_a_finished_stage_is_refused_before_the_stages_before_it_run
     (["--set", "eval.math_tasks=0"], "eval.math_tasks must be >= 1"),
     (["--set", "rlvr"], "expected STAGE.FIELD=VALUE"),
     (["--set", "pipeline.preset=tiny"], "use --preset"),
-    (["--base", "/no/such/model"], "pipeline.base_model: /no/such/model is not an HF checkpoint directory"),
+    (["--base", "/no/such/model"], "--base /no/such/model: no such directory"),
+    (["--set", "pipeline.base_model=/no/such/model", "--set", "pretrain.enabled=false"],
+     "pipeline.base_model: /no/such/model is not an HF checkpoint directory"),
     (["--set", "pipeline.base_model=."], "also set pretrain.enabled = false"),
 ])
 def test_bad_configuration_gives_a_clear_error_before_anything_runs(tmp_path, capsys, overrides, message):

@@ -11,6 +11,12 @@ opens every conversation as it opened every pretraining document:
     <|im_start|>tool\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n
     <|im_start|>assistant\\n                                  <- the generation prompt
 
+With `tools` (OpenAI-style declarations, `render_chat(..., tools=)`), the conversation opens with a system turn that
+declares them as Qwen3's template does: the system message's content (if any) and a blank line, then `# Tools`, the
+declarations between `<tools>` and `</tools>` one JSON object a line, and how to call them (`TOOLS_HEADER`,
+`TOOLS_FOOTER`). The template that carries this is v2; v1 (before tools) is still read as ours
+(`EARLIER_CHAT_TEMPLATES`), since it renders every conversation without tools as v2 does.
+
 Messages are OpenAI-style dicts: `role` (system, user, assistant, tool; `developer` is read as system) and
 `content` (a string). An assistant message may carry its reasoning in `reasoning_content` (or `reasoning` /
 `thinking`, the aliases transformers accepts) or inline, as content that opens with `<think>...</think>`; and
@@ -45,11 +51,14 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import processors
 
 from hybridtron.data.tokenizer import (
     BOS, IM_END, IM_START, SPECIAL_TOKENS, THINK_END, THINK_START, TOOL_CALL_END, TOOL_CALL_START,
     TOOL_RESPONSE_END, TOOL_RESPONSE_START, Tokenizer,
 )
+from hybridtron.data.tools import check_tools
 from hybridtron.files import atomic_write_text
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -60,6 +69,12 @@ MESSAGE_FIELDS = ("role", "content", *REASONING_FIELDS, "tool_calls", *IGNORED_F
 REASONING_HISTORY = ("last_turn", "all")
 # Markup a message may not contain: it would end or open a turn (or a conversation) in the middle of content.
 RESERVED_TOKENS = (IM_START, IM_END, BOS)
+# How the system turn declares tools (Qwen3's and Hermes' wording); each declaration goes on a line of its own between.
+TOOLS_HEADER = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                "<args-json-object>}\n</tool_call>")
 # Tokens the template itself needs in the vocabulary.
 CHAT_TOKENS = (BOS, IM_START, IM_END, THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END, TOOL_RESPONSE_START,
                TOOL_RESPONSE_END)
@@ -229,9 +244,17 @@ def validate_messages(messages, where: str = "messages") -> list[Message]:
 
 
 # ------------------------------------------------------------------------------------------------- rendering
+def tools_text(tools) -> str:
+    """The tool declarations as the system turn carries them (Qwen3's and Hermes' wording, one JSON object a line)."""
+    declared = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in check_tools(tools))
+    return _check_text(TOOLS_HEADER + declared + TOOLS_FOOTER, "tools")
+
+
 def render_chat(messages, *, add_generation_prompt: bool = False, enable_thinking: bool | None = None,
-                reasoning_history: str = "last_turn", bos_token: str = BOS) -> RenderedChat:
-    """The conversation's text in the chat format, with its labelled spans (see the module docstring)."""
+                reasoning_history: str = "last_turn", bos_token: str = BOS, tools=None) -> RenderedChat:
+    """The conversation's text in the chat format, with its labelled spans (see the module docstring). `tools`:
+    OpenAI-style declarations (`hybridtron.data.tools.check_tools`), rendered in the system turn after the system
+    message's content, as Qwen3's template renders them."""
     if reasoning_history not in REASONING_HISTORY:
         raise ValueError(f"reasoning_history: expected one of {', '.join(REASONING_HISTORY)}, "
                          f"got {reasoning_history!r}")
@@ -240,10 +263,19 @@ def render_chat(messages, *, add_generation_prompt: bool = False, enable_thinkin
     checked = validate_messages(messages)
     last_user = max((i for i, m in enumerate(checked) if m.role == "user"), default=-1)
     pieces: list[tuple[str, Segment, int]] = [(bos_token, Segment.TEMPLATE, 0)]
+    skip = -1  # the system message the tools' turn already holds
+    if tools:  # its spans count as the first message's, as bos does
+        pieces.append((f"{IM_START}system\n", Segment.TEMPLATE, 0))
+        if checked[0].role == "system":  # its content opens the system turn that declares the tools
+            pieces.append((checked[0].content + "\n\n", Segment.PROMPT, 0))
+            skip = 0
+        pieces += [(tools_text(tools), Segment.PROMPT, 0), (f"{IM_END}\n", Segment.TEMPLATE, 0)]
     for index, message in enumerate(checked):
         def add(text: str, segment: Segment) -> None:
             pieces.append((text, segment, index))
 
+        if index == skip:
+            continue
         add(f"{IM_START}{message.role}\n", Segment.TEMPLATE)
         if message.role == "assistant":
             body = message.content
@@ -276,6 +308,17 @@ def render_chat(messages, *, add_generation_prompt: bool = False, enable_thinkin
             spans.append((start, start + len(text), segment, index))
             start += len(text)
     return RenderedChat("".join(text for text, _, _ in pieces), tuple(spans), roles)
+
+
+def tool_turn_text(tool_contents: Sequence[str], *, enable_thinking: bool | None = None) -> str:
+    """The text that follows an assistant turn's `<|im_end|>` when its calls were answered: the `tool` messages, then
+    the next generation prompt; exactly what `render_chat` writes there in the whole conversation (the turn loop of
+    multi-turn rollouts appends it to the tokens the model sampled)."""
+    chat = render_chat([{"role": "user", "content": "-"}, {"role": "assistant", "content": "-"},
+                        *({"role": "tool", "content": content} for content in tool_contents)],
+                       add_generation_prompt=True, enable_thinking=enable_thinking, bos_token="")
+    end = next(end for _, end, segment, index in chat.spans if index == 1 and segment == Segment.ANSWER)
+    return chat.text[end:]
 
 
 def tokenize_chat(tokenizer: Tokenizer, messages, **options) -> ChatTokens:
@@ -311,20 +354,33 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
 # ------------------------------------------------------------------------------------------- the Jinja twin
 # Equal to `render_chat` on every valid conversation (tests/data/test_chat.py renders both through transformers).
 # It validates nothing beyond the role: bad input is rejected by `validate_messages` on our side.
-CHAT_TEMPLATE = """\
-{#- hybridtron chat format v1 (hybridtron/data/chat.py): ChatML with <think> reasoning and tool calls -#}
+_HEADER = "{#- hybridtron chat format v%d (hybridtron/data/chat.py): ChatML with <think> reasoning and tool calls -#}\n"
+# the system turn that declares the tools, and the loop's skip of the system message it already holds
+_TOOLS_BLOCK = """\
+{%- if tools -%}
+  {{- '<|im_start|>system\\n' -}}
+  {%- if messages[0].role in ['system', 'developer'] -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}
+  {{- TOOLS_HEADER_LITERAL -}}
+  {%- for tool in tools -%}{{- '\\n' + tool | tojson -}}{%- endfor -%}
+  {{- TOOLS_FOOTER_LITERAL + '<|im_end|>\\n' -}}
+{%- endif -%}
+"""
+_SKIP_SYSTEM = """\
+  {%- if tools and loop.first and role == 'system' -%}{%- continue -%}{%- endif -%}
+"""
+_TEMPLATE_BODY = """\
 {%- set ns = namespace(last_user=-1) -%}
 {%- for message in messages -%}
   {%- if message.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
 {%- endfor -%}
 {%- set keep_all_reasoning = reasoning_history is defined and reasoning_history == 'all' -%}
 {{- bos_token -}}
-{%- for message in messages -%}
+TOOLS_BLOCK{%- for message in messages -%}
   {%- set role = 'system' if message.role == 'developer' else message.role -%}
   {%- if role not in ['system', 'user', 'assistant', 'tool'] -%}
     {{- raise_exception('unknown role ' ~ role) -}}
   {%- endif -%}
-  {{- '<|im_start|>' + role + '\\n' -}}
+SKIP_SYSTEM  {{- '<|im_start|>' + role + '\\n' -}}
   {%- if role == 'assistant' -%}
     {%- set content = message.content if message.content is string else '' -%}
     {%- set reasoning = none -%}
@@ -367,20 +423,31 @@ CHAT_TEMPLATE = """\
   {%- endif -%}
 {%- endif -%}
 """
+CHAT_TEMPLATE = (_HEADER % 2 + _TEMPLATE_BODY.replace("TOOLS_BLOCK", _TOOLS_BLOCK).replace("SKIP_SYSTEM", _SKIP_SYSTEM)
+                 .replace("TOOLS_HEADER_LITERAL", json.dumps(TOOLS_HEADER))
+                 .replace("TOOLS_FOOTER_LITERAL", json.dumps(TOOLS_FOOTER)))
+# The templates of earlier versions, still read as ours (a checkpoint exported before tools renders every
+# conversation without tools as v2 does): v1 had no tools.
+EARLIER_CHAT_TEMPLATES = (_HEADER % 1 + _TEMPLATE_BODY.replace("TOOLS_BLOCK", "").replace("SKIP_SYSTEM", ""),)
 
 
 # ---------------------------------------------------------------------------------------- Hugging Face files
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
 def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike, *,
                          model_max_length: int | None = None) -> list[Path]:
     """Write `tokenizer.json`, `tokenizer_config.json` (with `CHAT_TEMPLATE`) and `special_tokens_map.json`
     into `directory`, so that `transformers.AutoTokenizer.from_pretrained(directory).apply_chat_template(...)`
     gives `tokenize_chat`'s ids. Returns the files written."""
     directory = Path(directory)
-    tokenizer_file = tokenizer.save(directory)
     names = {key: token_text(tokenizer, getattr(tokenizer, f"{key}_id")) for key in ("bos", "eos", "pad")}
+    # A plain consumer (`AutoTokenizer.from_pretrained(dir)(text)`, lm-eval's HF backend, vLLM's completions) adds
+    # what the post-processor adds: bos, which opened every document the model was trained on (scored without it,
+    # log-likelihoods move by up to 0.9 nats). hybridtron's own encoding never applies it (add_special_tokens=False);
+    # the chat template writes bos itself, and transformers and vLLM encode a rendered chat without special tokens.
+    backend = BackendTokenizer.from_str(tokenizer.backend.to_str())
+    bos = names["bos"]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A:0", pair=f"{bos} $A:0 {bos} $B:1", special_tokens=[(bos, tokenizer.bos_id)])
+    tokenizer_file = Tokenizer(backend).save(directory)
     extra = [token for token in SPECIAL_TOKENS if token_text(tokenizer, tokenizer.token_id(token))
              not in names.values()]
     special_tokens = {f"{key}_token": name for key, name in names.items()}
@@ -388,7 +455,7 @@ def save_tokenizer_files(tokenizer: Tokenizer, directory: str | os.PathLike, *,
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special_tokens,
         "extra_special_tokens": extra,
-        "add_bos_token": False,  # the chat template writes bos itself; plain encoding adds nothing
+        "add_bos_token": True,  # tokenizer.json's post-processor adds it (above)
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
@@ -426,7 +493,7 @@ def load_chat_tokenizer(directory: str | os.PathLike, *, vocab_size: int | None 
             raise ValueError(f"{directory}: no chat template (no chat_template in tokenizer_config.json or "
                              f"chat_template.jinja); this is a base model: fine-tune it with `hybridtron sft` "
                              f"first, whose export writes the template")
-    elif template != CHAT_TEMPLATE:
+    elif template != CHAT_TEMPLATE and template not in EARLIER_CHAT_TEMPLATES:
         raise ValueError(f"{source}: a chat template other than hybridtron's (it starts "
                          f"{template[:60]!r}); hybridtron renders conversations only in its own format "
                          f"(hybridtron.data.chat), so this model's chats would be read in the wrong layout")

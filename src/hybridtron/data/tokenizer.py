@@ -145,7 +145,13 @@ class Tokenizer:
 
     @property
     def fingerprint(self) -> str:
-        return hashlib.sha256(self.backend.to_str().encode()).hexdigest()[:16]
+        """The encoding's identity. The post-processor is left out: `encode` never applies it, and an export's adds
+        bos for other readers (`data.chat.save_tokenizer_files`), so the exported tokenizer is the trained one."""
+        backend = self.backend
+        if backend.post_processor is not None:
+            backend = BackendTokenizer.from_str(backend.to_str())
+            backend.post_processor = None
+        return hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, pad={self.pad_id}, bos={self.bos_id}, eos={self.eos_id})"

@@ -12,6 +12,10 @@ expert's grouped GEMM, split by expert) recording its input's amax, for `input_s
 (`hybridtron.numerics.ptq`: max or MSE block scales for NVFP4, amax/448 for FP8); write the checkpoint atomically
 with the source's tokenizer files. `load_pretrained` reads the result back, dequantized.
 
+`--out` is checked before anything is loaded (`hybridtron.checkpoint.hf.check_checkpoint_target`): new or empty, or
+holding a checkpoint that `--overwrite` replaces (its checkpoint files only); never the checkpoint being read, a
+directory inside it or one that holds it.
+
 Calibration rows are the held-out split of the data the model was trained on: for a run's export (`RUN/hf`, or
 `RUN` itself) the run's `[data]` section, otherwise the default data (the standard library); tokenized with the
 checkpoint's own tokenizer. A routed expert no calibration token reached takes the largest input amax of its
@@ -29,14 +33,14 @@ from pathlib import Path
 import torch
 
 from hybridtron.checkpoint.hf import (
-    HF_QUANT_CONFIG, INDEX_FILE, load_pretrained, quantization_algo, write_checkpoint,
+    HF_QUANT_CONFIG, INDEX_FILE, add_overwrite_argument, check_checkpoint_target, is_checkpoint_file, load_pretrained,
+    quantization_algo, resolve_checkpoint_dir, write_checkpoint,
 )
 from hybridtron.data.build import DataConfig, build_data
 from hybridtron.deploy.modelopt_format import (
     FORMATS, excluded_modules, hf_quant_config, quantization_config, quantized_state,
 )
 from hybridtron.files import RUN_CONFIG
-from hybridtron.infer.engine import resolve_checkpoint_dir
 from hybridtron.numerics.export_policy import EXPORT_POLICIES, ExportWeight, export_plan, weight_bytes
 from hybridtron.numerics.ptq import SCALE_METHODS
 
@@ -172,8 +176,10 @@ def tensor_bytes(directory: Path) -> int:
 
 
 def quantize_checkpoint(model_dir: str | Path, out: str | Path, fmt: str = "nvfp4", *, scales: str = "max",
-                        policy: str = "ultra", calib: int = DEFAULT_CALIBRATION_ROWS) -> QuantizeReport:
-    """Quantize the checkpoint (or run directory) `model_dir` into `out` (module docstring)."""
+                        policy: str = "ultra", calib: int = DEFAULT_CALIBRATION_ROWS,
+                        overwrite: bool = False) -> QuantizeReport:
+    """Quantize the checkpoint (or run directory) `model_dir` into `out` (module docstring); `overwrite`: replace
+    the checkpoint `out` holds."""
     for value, choices, what in ((fmt, tuple(FORMATS), "--format"), (scales, SCALE_METHODS, "--scales"),
                                  (policy, EXPORT_POLICIES, "--policy")):
         if value not in choices:
@@ -186,8 +192,8 @@ def quantize_checkpoint(model_dir: str | Path, out: str | Path, fmt: str = "nvfp
         raise ValueError(f"{checkpoint_dir} is already quantized ({algo}); quantize the unquantized checkpoint it "
                          f"was made from")
     out = Path(out)
-    if out.resolve() == checkpoint_dir.resolve():
-        raise ValueError(f"--out {out}: that is the checkpoint being quantized; write to another directory")
+    check_checkpoint_target(out, overwrite=overwrite, option="--out", source=checkpoint_dir, source_option="--model")
+    source_bytes = tensor_bytes(checkpoint_dir)
     seconds = {}
     clock = time.perf_counter()
     ids = calibration_rows(checkpoint_dir, calib)
@@ -210,10 +216,11 @@ def quantize_checkpoint(model_dir: str | Path, out: str | Path, fmt: str = "nvfp
     config_dict["torch_dtype"] = "bfloat16"
     config_dict["quantization_config"] = quantization_config(quant)
     skipped = {"config.json", INDEX_FILE}
-    extra = {path.name: path.read_bytes() for path in sorted(checkpoint_dir.iterdir())
-             if path.is_file() and path.name not in skipped and path.suffix != ".safetensors"}
+    extra = {path.name: path.read_bytes() for path in sorted(checkpoint_dir.iterdir())  # tokenizer, generation
+             if path.is_file() and is_checkpoint_file(path.name) and path.name not in skipped
+             and path.suffix != ".safetensors"}
     extra[HF_QUANT_CONFIG] = json.dumps(quant, indent=2).encode()
-    write_checkpoint(out, config_dict, state, extra_files=extra)
+    write_checkpoint(out, config_dict, state, extra_files=extra, overwrite=overwrite)
     seconds["write"] = time.perf_counter() - clock
 
     return QuantizeReport(
@@ -221,7 +228,7 @@ def quantize_checkpoint(model_dir: str | Path, out: str | Path, fmt: str = "nvfp
         quantized=sum(w.matrices for w in plan if w.quantized), excluded=excluded,
         calibration_rows=len(ids), calibration_tokens=ids.numel(), weight_error=errors["weight_error"],
         max_weight_error=errors.get("max_weight_error"), seconds=seconds,
-        source_bytes=tensor_bytes(checkpoint_dir), bf16_bytes=weight_bytes(model, "bf16", policy).total,
+        source_bytes=source_bytes, bf16_bytes=weight_bytes(model, "bf16", policy).total,
         out_bytes=tensor_bytes(out))
 
 
@@ -250,7 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", required=True, choices=tuple(FORMATS),
                         help="nvfp4: E2M1 weights, E4M3 scales per 16, an fp32 scale per tensor; fp8: E4M3 "
                              "weights, an fp32 scale per tensor (required)")
-    parser.add_argument("--out", required=True, help="the quantized checkpoint's directory (required)")
+    parser.add_argument("--out", required=True,
+                        help="the quantized checkpoint's directory: new or empty, or a checkpoint to replace with "
+                             "--overwrite (required)")
     parser.add_argument("--calib", type=int, default=DEFAULT_CALIBRATION_ROWS,
                         help="held-out rows run through the model to calibrate the input scales "
                              "(default: %(default)s)")
@@ -261,10 +270,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which weights are quantized: ultra = where the trainer's ultra policy uses NVFP4 "
                              "(the BF16 tail, Mamba out_proj, attention, latent projections and MTP stay BF16); "
                              "experts = the routed experts only; all = every linear (default: %(default)s)")
+    add_overwrite_argument(parser)
 
 
 def run(args) -> int:
     report = quantize_checkpoint(args.model, args.out, args.format, scales=args.scales, policy=args.policy,
-                                 calib=args.calib)
+                                 calib=args.calib, overwrite=args.overwrite)
     print(format_report(report, Path(args.out)))
     return 0

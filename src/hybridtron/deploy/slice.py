@@ -1,6 +1,6 @@
 """`hybridtron slice`: an N-layer slice of a checkpoint, or of a preset's config alone, for smoke tests.
 
-    hybridtron slice --model runs/quickstart/hf --layers 4 --out runs/quickstart-slice4
+    hybridtron slice --model runs/quickstart --layers 4 --out runs/quickstart-slice4
     hybridtron slice --model runs/quickstart/hf --layers 3 --keep 0,2,7 --out runs/quickstart-slice-027
     hybridtron slice --preset ultra3 --layers 4 --out runs/ultra3-slice4        # config.json only, no weights
 
@@ -20,8 +20,11 @@ config.json records where the slice came from under `SLICED_FROM_KEY`: the sourc
 `preset:NAME`), its layer count and the kept layers. `ModelConfig.from_hf` ignores the key and transformers keeps it
 as a config attribute, so the slice loads in both, and `hybridtron plan --config` / `hybridtron memory --config`
 read it. The write is atomic: the slice is assembled in a hidden sibling of `--out` (the weights by
-`save_pretrained`) and renamed into place whole. A quantized checkpoint is refused (it would load dequantized and
-be written unquantized): slice first, then quantize the slice.
+`save_pretrained`) and renamed into place whole (`hybridtron.checkpoint.hf.staged_checkpoint`). `--out` is new or
+empty, or holds a checkpoint that `--overwrite` replaces (its checkpoint files only; the rest is kept), and is never
+the checkpoint being sliced, inside it or around it. `--model` is a checkpoint or a run directory (its hf/). A
+quantized checkpoint is refused (it would load dequantized and be written unquantized): slice first, then quantize
+the slice.
 
 `--preset` builds the sliced model on the meta device: config.json alone, with the parameter counts and the bytes
 its weights would take in bf16 (routers in fp32, as `save_pretrained` writes them) printed.
@@ -31,16 +34,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridtron.checkpoint.hf import FP32_TENSORS, load_pretrained, quantization_algo, save_pretrained
+from hybridtron.checkpoint.hf import (
+    FP32_TENSORS, TOKENIZER_FILES, add_overwrite_argument, check_checkpoint_target, load_pretrained, quantization_algo,
+    resolve_checkpoint_dir, save_pretrained, staged_checkpoint,
+)
 from hybridtron.config import ATTENTION, MAMBA, MLP, MOE, PRESETS, SLICED_FROM_KEY, ModelConfig, preset
-from hybridtron.dist.convert import TOKENIZER_FILES
 from hybridtron.files import atomic_write_json
 from hybridtron.infer.memory import human_bytes
 from hybridtron.model.lm import HybridLM
@@ -182,73 +185,44 @@ def summarize(model: HybridLM, source: str, source_layers: int, keep: list[int],
 
 
 # --------------------------------------------------------------------------------------------------- writing
-def check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"--out {out}: exists and is not an empty directory; a slice is written to a new one")
-
-
-def publish(staging: Path, out: Path) -> None:
-    """Rename the finished `staging` directory to `out` (absent, or an empty directory: rename replaces it)."""
-    try:
-        os.replace(staging, out)
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def staging_dir(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return out.with_name(f".{out.name}.slice-{os.getpid()}-{secrets.token_hex(4)}")
-
-
 def slice_checkpoint(model_dir: str | Path, out: str | Path, layers: int | None = None,
-                     keep: list[int] | None = None) -> SliceSummary:
-    """Write the slice of the HF checkpoint `model_dir` to `out` (absent or empty): config.json, the safetensors in
-    the source's dtypes, the tokenizer files; `layers` / `keep` as in `choose_layers`."""
-    model_dir, out = Path(model_dir), Path(out)
-    check_out(out)
+                     keep: list[int] | None = None, *, overwrite: bool = False) -> SliceSummary:
+    """Write the slice of the HF checkpoint (or run directory) `model_dir` to `out` (`staged_checkpoint`; with
+    `overwrite` a checkpoint there is replaced): config.json, the safetensors in the source's dtypes, the tokenizer
+    files; `layers` / `keep` as in `choose_layers`."""
+    model_dir, _ = resolve_checkpoint_dir(model_dir)
+    target = {"overwrite": overwrite, "option": "--out", "source": model_dir, "source_option": "--model"}
+    check_checkpoint_target(out, **target)  # before the weights, as every check here: a mistake costs no load
     config = ModelConfig.from_hf(model_dir)
     algo = quantization_algo(model_dir)
     if algo is not None:  # it would load dequantized and be written unquantized: not what the user holds
         raise ValueError(f"--model {model_dir}: an {algo} checkpoint; slice the unquantized one, then quantize the "
                          f"slice (hybridtron quantize)")
-    kept = choose_layers(config.layers_block_type, layers, keep)  # before the weights: a mistake costs no load
+    kept = choose_layers(config.layers_block_type, layers, keep)
     source = load_pretrained(model_dir, config=config)
     sliced = slice_model(source, kept)
     summary = summarize(sliced, str(model_dir.resolve()), source.config.num_hidden_layers, kept, True)
-    staging = staging_dir(out)
-    try:
+    with staged_checkpoint(out, **target) as staging:
         save_pretrained(sliced, staging, nemotron_h=False)  # a Marin model stays in hybridtron's own format
         add_sliced_from(staging / "config.json", summary)
         for name in TOKENIZER_FILES:
             if (model_dir / name).is_file():
                 shutil.copy(model_dir / name, staging / name)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    publish(staging, out)
     return summary
 
 
 def slice_preset(name: str, out: str | Path, layers: int | None = None,
-                 keep: list[int] | None = None) -> SliceSummary:
-    """Write the config.json of preset `name` sliced to `out` (absent or empty), the model built on the meta device
-    for its counts; no weights."""
-    out = Path(out)
-    check_out(out)
+                 keep: list[int] | None = None, *, overwrite: bool = False) -> SliceSummary:
+    """Write the config.json of preset `name` sliced to `out` (as `slice_checkpoint`), the model built on the meta
+    device for its counts; no weights."""
+    check_checkpoint_target(out, overwrite=overwrite, option="--out")
     config = preset(name)
     kept = choose_layers(config.layers_block_type, layers, keep)
     sliced = HybridLM.on_meta(slice_config(config, kept))
     summary = summarize(sliced, f"preset:{name}", config.num_hidden_layers, kept, False)
-    staging = staging_dir(out)
-    staging.mkdir()
-    try:
+    with staged_checkpoint(out, overwrite=overwrite, option="--out") as staging:
         atomic_write_json(staging / "config.json", {**sliced.config.to_hf(export=True),
                                                     SLICED_FROM_KEY: summary.sliced_from()})
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    publish(staging, out)
     return summary
 
 
@@ -261,8 +235,8 @@ def add_sliced_from(config_path: Path, summary: SliceSummary) -> None:
 # ---------------------------------------------------------------------------------------------- the command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="an HF checkpoint directory to slice (config.json + safetensors: a run's hf/) (default: "
-                             "none; give --model or --preset)")
+                        help="an HF checkpoint directory to slice (config.json + safetensors) or a run directory "
+                             "(its hf/ export) (default: none; give --model or --preset)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="slice a preset's config alone, built on the meta device: config.json and the "
                              "parameter counts, no weights (default: none)")
@@ -272,7 +246,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", default=None,
                         help="which backbone layers to keep: 0-based indices in increasing order, e.g. 0,3,7 "
                              "(default: the even spread)")
-    parser.add_argument("--out", required=True, help="the directory to write; absent or empty (required)")
+    parser.add_argument("--out", required=True,
+                        help="the directory to write: new or empty, or a checkpoint to replace with --overwrite "
+                             "(required)")
+    add_overwrite_argument(parser)
 
 
 def run(args) -> int:
@@ -281,8 +258,8 @@ def run(args) -> int:
                          + ("not both" if args.model else "one of them"))
     keep = parse_keep(args.keep)
     if args.model is not None:
-        summary = slice_checkpoint(args.model, args.out, args.layers, keep)
+        summary = slice_checkpoint(args.model, args.out, args.layers, keep, overwrite=args.overwrite)
     else:
-        summary = slice_preset(args.preset, args.out, args.layers, keep)
+        summary = slice_preset(args.preset, args.out, args.layers, keep, overwrite=args.overwrite)
     print("\n".join(summary.lines(args.model or f"preset {args.preset}", args.out)))
     return 0

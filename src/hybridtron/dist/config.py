@@ -31,6 +31,8 @@ class DistConfig:
     pp_schedule: str = "1f1b"  # 1f1b | interleaved-1f1b (two stages per rank) | gpipe
     ep_capacity_factor: float = 0.0  # 0 = dropless; > 0: each expert takes at most ceil(cf x tokens x k / E) rows
     cp_attention: str = "all-gather"  # all-gather: every rank gets the sequence's K/V; ring: K/V pass rank to rank
+    offload_optimizer: bool = False  # FSDP2's CPU offload: each rank's fp32 weight shards, gradients and AdamW state
+    #  in host memory, the optimizer step on the CPU (torchrun only; on a CPU device a no-op in memory)
 
     RESUMABLE: ClassVar = "all"  # a checkpoint resumes under any layout and world size (hybridtron.dist.state)
 
@@ -49,6 +51,10 @@ class DistConfig:
             raise ValueError(f"dist.cp_attention must be one of {', '.join(CP_ATTENTION)}, got {self.cp_attention!r}")
         if not self.ep_capacity_factor >= 0:
             raise ValueError(f"dist.ep_capacity_factor must be >= 0 (0 = dropless), got {self.ep_capacity_factor}")
+        if self.offload_optimizer and self.backend == "nccl":
+            raise ValueError("dist.offload_optimizer=true with dist.backend=nccl: the offloaded gradients and AdamW "
+                             "state are host tensors, which NCCL cannot reduce; use dist.backend=auto (NCCL for the "
+                             "GPUs, gloo for the host)")
 
     def degrees(self, world: int) -> dict[str, int]:
         """The degrees with dp_shard resolved for `world` processes (the planner's `Layout` fields)."""

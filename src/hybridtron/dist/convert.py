@@ -14,6 +14,11 @@ HF -> DCP writes `{"model": state dict}` as a DCP checkpoint: a model-only check
 sharded model at any world size (`torch.distributed.checkpoint.state_dict.set_model_state_dict`), with the HF
 config.json and, when the HF directory has them, the tokenizer files beside it; so its own output converts back,
 DCP -> HF -> DCP -> HF, to the same weights bit for bit.
+
+Either way `--to` is written atomically and never over what hybridtron did not write
+(`hybridtron.checkpoint.hf.staged_checkpoint`): a new or empty directory, or one holding a checkpoint that
+`--overwrite` replaces (its checkpoint files only; every other file there is kept); never `--from` itself, a
+directory inside it or one that holds it.
 """
 
 from __future__ import annotations
@@ -26,21 +31,24 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from hybridtron.checkpoint.hf import load_pretrained, save_pretrained
+from hybridtron.checkpoint.hf import (
+    TOKENIZER_FILES, add_overwrite_argument, load_pretrained, save_pretrained, staged_checkpoint,
+)
 from hybridtron.config import ModelConfig
 from hybridtron.model.lm import HybridLM
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="source", required=True,
                         help="a DCP checkpoint directory (step_NNNNNN, with .metadata) or an HF checkpoint "
                              "directory (config.json + safetensors) (required)")
-    parser.add_argument("--to", dest="target", required=True, help="the directory to write (required)")
+    parser.add_argument("--to", dest="target", required=True,
+                        help="the directory to write: new or empty, or a checkpoint to replace with --overwrite "
+                             "(required)")
     parser.add_argument("--config", default=None,
                         help="DCP -> HF: the run_config.json or HF config.json of the model (default: the run's "
                              "run_config.json two levels above --from)")
+    add_overwrite_argument(parser)
 
 
 def model_config_of(source: Path, config: str | None) -> ModelConfig:
@@ -68,17 +76,22 @@ def load_dcp_model(source: Path, config: str | ModelConfig | None = None) -> Hyb
     return model
 
 
-def dcp_to_hf(source: Path, target: Path, config: str | None = None) -> None:
-    save_pretrained(load_dcp_model(source, config), target)
+def dcp_to_hf(source: Path, target: Path, config: str | None = None, *, overwrite: bool = False) -> None:
     tokenizer = source if (source / "tokenizer.json").is_file() else tokenizer_dir_of(source.parent.parent)
+    with staged_checkpoint(target, **target_rules(source, overwrite)) as staging:
+        save_pretrained(load_dcp_model(source, config), staging)
+        for name in TOKENIZER_FILES:
+            if tokenizer is not None and (tokenizer / name).is_file():
+                shutil.copy(tokenizer / name, staging / name)
     if tokenizer is None:
         print(f"convert: no tokenizer found for {source} (no {source.parent.parent / 'hf'} with tokenizer.json, no "
               f"base_model or student in its run_config.json): copy tokenizer.json and tokenizer_config.json into "
               f"{target} to decode with it")
-        return
-    for name in TOKENIZER_FILES:
-        if (tokenizer / name).is_file():
-            shutil.copy(tokenizer / name, target / name)
+
+
+def target_rules(source: Path, overwrite: bool) -> dict:
+    """`staged_checkpoint`'s arguments for `--to` (its checks name the command's options)."""
+    return {"overwrite": overwrite, "option": "--to", "source": source, "source_option": "--from"}
 
 
 def tokenizer_dir_of(run_dir: Path) -> Path | None:
@@ -93,27 +106,27 @@ def tokenizer_dir_of(run_dir: Path) -> Path | None:
     return None
 
 
-def hf_to_dcp(source: Path, target: Path) -> None:
-    model = load_pretrained(source)
-    target.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(target))
-    shutil.copy(source / "config.json", target / "config.json")
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy(source / name, target / name)
+def hf_to_dcp(source: Path, target: Path, *, overwrite: bool = False) -> None:
+    with staged_checkpoint(target, **target_rules(source, overwrite)) as staging:
+        model = load_pretrained(source)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": model.state_dict()}, checkpoint_id=str(staging))
+        shutil.copy(source / "config.json", staging / "config.json")
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy(source / name, staging / name)
 
 
 def run(args) -> int:
     source, target = Path(args.source), Path(args.target)
     if (source / ".metadata").is_file():
-        dcp_to_hf(source, target, args.config)
+        dcp_to_hf(source, target, args.config, overwrite=args.overwrite)
         print(f"{source} (DCP) -> {target} (HF)")
     elif (source / "config.json").is_file():
         if args.config:
             raise ValueError("--config applies to DCP -> HF; an HF checkpoint carries its own config.json")
-        hf_to_dcp(source, target)
+        hf_to_dcp(source, target, overwrite=args.overwrite)
         print(f"{source} (HF) -> {target} (DCP, model only)")
     else:
         raise FileNotFoundError(f"{source}: neither a DCP checkpoint (no .metadata) nor an HF checkpoint "

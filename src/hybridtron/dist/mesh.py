@@ -58,6 +58,13 @@ def run_device(config: DistConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def without_process_group(config: DistConfig, world: int) -> bool:
+    """This process trains with no process group, so with no FSDP: a plain process, or one torchrun process on CPU
+    with `backend=auto` (one torchrun process on CUDA, or with a named backend, is a world of one)."""
+    return world == 1 and not (launched_by_torchrun() and (run_device(config).type == "cuda"
+                                                           or config.backend != "auto"))
+
+
 def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batch_size: int, grad_accum: int,
                      seq_len: int, context_parallel: bool = False) -> Layout:
     """The layout of `config` on `world` processes, or a ValueError with the reason it cannot run: the planner's
@@ -66,6 +73,10 @@ def check_run_layout(config: DistConfig, model: ModelConfig, world: int, *, batc
     split over TP and are no shorter than the conv's reach), then what it does not implement (context parallelism
     where the run does not take it, `context_parallel=False`)."""
     config.validate()
+    if config.offload_optimizer and without_process_group(config, world):
+        raise ValueError("dist.offload_optimizer=true: the offload is FSDP2's, and this process trains without FSDP "
+                         "(a plain process, or one torchrun process on CPU with dist.backend=auto); launch it with "
+                         "torchrun (one process per GPU; on a CPU with dist.backend=gloo)")
     layout = Layout(**config.degrees(world))
     workload = Workload(seq_len=seq_len, tokens_per_iter=seq_len * batch_size * grad_accum,
                         micro_batch=max(1, batch_size // layout.dp))
@@ -113,8 +124,13 @@ class Parallel:
 
     def describe(self) -> str:
         """One line for the run's log: how many processes, on which device and backend, in which layout."""
-        return f"{self.world} process{'es' if self.world > 1 else ''} on {self.device.type} " \
+        line = f"{self.world} process{'es' if self.world > 1 else ''} on {self.device.type} " \
                f"({dist.get_backend()}), layout {self.layout}"
+        if self.config.offload_optimizer:
+            line += ("; optimizer offload: fp32 weight shards, gradients and AdamW state in pinned host memory, the "
+                     "optimizer step on the CPU" if self.device.type == "cuda" else
+                     "; optimizer offload: FSDP2's CPU offload path, no memory moved (the device is the CPU)")
+        return line
 
     def coordinate(self, dim: str) -> int:
         return self.meshes["dense"].get_local_rank(dim)
@@ -196,7 +212,12 @@ class Parallel:
 def _backend(config: DistConfig, device: torch.device) -> str:
     if config.backend != "auto":
         return config.backend
-    return "nccl" if device.type == "cuda" else "gloo"
+    if device.type != "cuda":
+        return "gloo"
+    # Offloaded, the gradients, the optimizer state and the master weights are host tensors, and their collectives
+    # (the global gradient norm, the matrix optimizers' norms, gathering a full state) run on gloo beside NCCL
+    # (torchtitan's `enable_cpu_backend` under CPU offload)
+    return "cuda:nccl,cpu:gloo" if config.offload_optimizer else "nccl"
 
 
 def init_parallel(config: DistConfig, model: ModelConfig, *, batch_size: int, grad_accum: int, seq_len: int,
@@ -209,7 +230,7 @@ def init_parallel(config: DistConfig, model: ModelConfig, *, batch_size: int, gr
     layout = check_run_layout(config, model, world, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
                               context_parallel=context_parallel)
     device = run_device(config)
-    if world == 1 and not (launched_by_torchrun() and (device.type == "cuda" or config.backend != "auto")):
+    if without_process_group(config, world):
         return None
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -13,7 +13,7 @@
     5. torch.compile per block (`train.compile`): each block's forward compiled in place, so parameter names stay
     6. FSDP2 `fully_shard` per block (the MTP block as one), then the embedding, norm_f, lm_head and the root (each
        pipeline stage's view under PP), each with a `MixedPrecisionPolicy`; lm_head's gradient is reduced in fp32
-       unless `grad_accum_dtype` is bf16
+       unless `grad_accum_dtype` is bf16; with `dist.offload_optimizer` each with FSDP2's `CPUOffloadPolicy` too
     7. a model built on the meta device (`HybridLM.on_meta`, as `pretrain` builds it under torchrun): each rank's
        shards allocated on its device and filled with the single-process initialization, `materialize.py`
 
@@ -24,6 +24,16 @@ dp_shard x cp x tp, since each TP rank saw other tokens and their gradients must
 the routed experts over efsdp (experts on the ep dimension). Every gradient reduction is a sum (the objectives
 normalize by the global token count), so a layout computes the single-process gradient of the same global batch.
 
+Optimizer offload (`dist.offload_optimizer`, torchtitan's `training.enable_cpu_offload`): FSDP2's
+`CPUOffloadPolicy` on every group keeps each rank's sharded fp32 parameters (the master weights) in host memory,
+pinned on a CUDA device; each all-gather first copies the shard to the device, each reduce-scatter's output
+(the sharded gradient) is copied back to the host, so the optimizer, whose state is created like its parameters,
+steps on the CPU with its state there. The gathered weights, the activations and the unsharded gradients stay on
+the device. A meta-built model is materialized with its parameters on the host and its buffers on the device
+(torchtitan's init_device "cpu", buffer_device the accelerator), never whole on the device first. On a CPU
+device the policy changes nothing in memory (everything is in host memory already), but the code path is the
+GPU's, which is how the tests run it.
+
 Low-precision emulation composes, quantizing after every communication (FSDP gathers, TP gathers and all-to-alls
 move high-precision tensors): under FSDP each rank quantizes the whole gathered weight as one process does, and an
 activation's tensor scale comes from this rank's rows; under EP each local expert quantizes the rows it received;
@@ -32,13 +42,14 @@ under TP each rank quantizes its own weight shard, with the shard's amax.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hybridtron.config import MOE
@@ -137,8 +148,29 @@ def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str =
     if views is not None:
         parallel.pipeline = Pipeline(model, views, stage_indices, num_stages, parallel, parallel.config.pp_schedule)
     if is_meta(model):
-        materialize(model, parallel)
+        if parallel is not None and parallel.config.offload_optimizer:
+            materialize_offloaded(model, parallel)
+        else:
+            materialize(model, parallel)
     return model
+
+
+def offload_policy(parallel: Parallel) -> OffloadPolicy:
+    """FSDP2's offload policy for the layout: CPU offload with `dist.offload_optimizer` (pinned host memory on a
+    CUDA device, for asynchronous copies; torch refuses to pin without an accelerator), else none."""
+    if not parallel.config.offload_optimizer:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=parallel.device.type == "cuda")
+
+
+def materialize_offloaded(model: nn.Module, parallel: Parallel) -> None:
+    """`materialize` with the parameters (FSDP's shards, which CPU offload keeps on the host and checks there at
+    its first forward) allocated and filled on the CPU and the buffers moved to this rank's device, where the
+    forward reads them."""
+    materialize(model, dataclasses.replace(parallel, device=torch.device("cpu")))
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(parallel.device)  # as nn.Module.to does, buffers only
 
 
 def _all_blocks(model: nn.Module) -> list[tuple[nn.Module, int | str]]:
@@ -199,27 +231,30 @@ def apply_fsdp(model: nn.Module, parallel: Parallel, output_reduce_dtype: torch.
     layout = parallel.layout
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     dense, tokens, experts = (parallel.fsdp_mesh(region) for region in ("dense", "tokens", "experts"))
+    offload = offload_policy(parallel)
     units = _all_blocks(model)
     for position, (parent, key) in enumerate(units):
         unit = _get(parent, key)
         if layout.tp > 1:
             for module in _token_modules(unit):
-                fully_shard(module, mesh=tokens, mp_policy=policy)
+                fully_shard(module, mesh=tokens, mp_policy=policy, offload_policy=offload)
         for layer in _layers_of(unit):
             if layer.kind == MOE and (layout.tp > 1 or isinstance(layer.mixer.experts, ExpertParallelExperts)):
-                fully_shard(layer.mixer.experts, mesh=experts, mp_policy=policy)
+                fully_shard(layer.mixer.experts, mesh=experts, mp_policy=policy, offload_policy=offload)
         # the last unit's weights are needed again at once by the backward (and the MTP block's by each depth)
-        fully_shard(unit, mesh=dense, mp_policy=policy, reshard_after_forward=position < len(units) - 1)
+        fully_shard(unit, mesh=dense, mp_policy=policy, offload_policy=offload,
+                    reshard_after_forward=position < len(units) - 1)
     backbone = getattr(model, "backbone", None)
     if backbone is not None and getattr(backbone, "embeddings", None) is not None:
-        fully_shard(backbone.embeddings, mesh=dense, mp_policy=policy)
+        fully_shard(backbone.embeddings, mesh=dense, mp_policy=policy, offload_policy=offload)
     if backbone is not None and getattr(backbone, "norm_f", None) is not None:
-        fully_shard(backbone.norm_f, mesh=tokens if layout.tp > 1 else dense, mp_policy=policy)
+        fully_shard(backbone.norm_f, mesh=tokens if layout.tp > 1 else dense, mp_policy=policy,
+                    offload_policy=offload)
     if getattr(model, "lm_head", None) is not None:
-        fully_shard(model.lm_head, mesh=dense, reshard_after_forward=False,
+        fully_shard(model.lm_head, mesh=dense, reshard_after_forward=False, offload_policy=offload,
                     mp_policy=MixedPrecisionPolicy(param_dtype=None, reduce_dtype=output_reduce_dtype))
     for root in roots or [model]:
-        fully_shard(root, mesh=dense, mp_policy=policy)
+        fully_shard(root, mesh=dense, mp_policy=policy, offload_policy=offload)
     for module in [m for root in roots or [model] for m in root.modules()] + list(model.modules()):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

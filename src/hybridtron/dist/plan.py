@@ -38,6 +38,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
+from hybridtron.checkpoint.hf import read_model_config
 from hybridtron.config import ATTENTION, MAMBA, MOE, PRESETS, ModelConfig, preset
 from hybridtron.dist.costs import (
     GPUS, GiB, RECOMPUTE_MODES, SERVING_CHECKPOINTS, Cluster, Unit, activation_bytes, cluster_for,
@@ -45,6 +46,7 @@ from hybridtron.dist.costs import (
 )
 from hybridtron.dist.layout import Layout, Rejected, Workload, candidate_layouts, check_layout
 from hybridtron.dist.serving import format_serve, serve_plan
+from hybridtron.dist.vllm_layout import DEFAULT_GPU_MEMORY_UTILIZATION, format_engine, plan_engine
 from hybridtron.numerics.policy import POLICIES, RECIPES
 
 
@@ -56,6 +58,7 @@ class Memory:
     master_weights: float  # fp32, sharded
     gradients: float  # fp32, sharded
     optimizer: float  # Adam moments, sharded (0 when offloaded)
+    host: float  # offloaded: the master weights, gradients and Adam moments above, in host memory instead
     compute_weights: float  # BF16 + quantized copies of the two blocks in flight, one block's unsharded gradient
     activations: float  # with `recompute`, all micro-batches in flight, logits included
     reserve: float
@@ -219,7 +222,10 @@ def _stage_memory(config: ModelConfig, cluster: Cluster, workload: Workload, lay
     L, c = layout, config
     experts_split = L.ep * L.etp
     shard = stage.dense_params / (L.tp * L.dp_shard * L.cp) + stage.expert_params / (experts_split * L.efsdp)
+    # FSDP2's CPU offload keeps the fp32 shard, its gradient and the Adam state on the host (master + gradient + 2
+    # moments); the device keeps the gathered copies and the unsharded gradients, as without it
     fp32 = 0.0 if workload.offload_optimizer else shard * 4 / GiB
+    host = 4 * shard * 4 / GiB if workload.offload_optimizer else 0.0
     copies = sorted((dense / L.tp + expert / experts_split for dense, expert in stage.unit_copies), reverse=True)
     sharded = (L.dp_shard * L.cp > 1, L.efsdp > 1)  # a reduce-scatter needs the unsharded gradient first
     unsharded_grad = max(dense / L.tp * sharded[0] + expert / experts_split * sharded[1]
@@ -234,7 +240,8 @@ def _stage_memory(config: ModelConfig, cluster: Cluster, workload: Workload, lay
             if mode == "full" else 0.0  # the one layer being recomputed
         activations[mode] = (in_flight * (kept * tokens + logits) + peak * tokens) / GiB
     fixed = 4 * fp32 + compute_weights + cluster.runtime_reserve_gib  # master + gradients + 2 Adam moments
-    return dict(shard=shard, fp32=fp32, compute_weights=compute_weights, activations=activations, fixed=fixed)
+    return dict(shard=shard, fp32=fp32, host=host, compute_weights=compute_weights, activations=activations,
+                fixed=fixed)
 
 
 def _stage_seconds(config: ModelConfig, cluster: Cluster, workload: Workload, layout: Layout, stage: _Stage,
@@ -334,7 +341,7 @@ def estimate(config: ModelConfig, cluster: Cluster, workload: Workload, layout: 
     return Estimate(
         layout=layout, step_s=step_s, compute_s=per_step["compute"], bubble_s=bubble_s, optimizer_s=optimizer_s,
         tokens_per_s_per_gpu=workload.tokens_per_iter / step_s / cluster.gpus,
-        memory=Memory(master_weights=m["fp32"], gradients=m["fp32"], optimizer=2 * m["fp32"],
+        memory=Memory(master_weights=m["fp32"], gradients=m["fp32"], optimizer=2 * m["fp32"], host=m["host"],
                       compute_weights=m["compute_weights"], activations=m["activations"][recompute],
                       reserve=cluster.runtime_reserve_gib, total=total(fullest, recompute), recompute=recompute,
                       activations_by_recompute=dict(m["activations"]), stage=fullest),
@@ -445,6 +452,8 @@ def format_estimate(result: Estimate | Rejected, config: ModelConfig, cluster: C
              f"  fp32 gradients             {m.gradients:8.2f} GiB",
              f"  Adam moments               {m.optimizer:8.2f} GiB" + ("  (offloaded to the host)"
                                                                           if workload.offload_optimizer else ""),
+             *([f"  host memory per GPU        {m.host:8.2f} GiB (the offloaded fp32 master weights, gradients and "
+                f"Adam moments; not in the total)"] if workload.offload_optimizer else []),
              f"  compute copies             {m.compute_weights:8.2f} GiB (BF16 + {workload.recipe} operand copies "
              f"of 2 blocks in flight, by the {workload.policy} policy)",
              f"  activations                {m.activations:8.2f} GiB (" + ", ".join(
@@ -491,7 +500,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, help=f"model preset, one of {', '.join(PRESETS)} "
                                                         f"(default: ultra3 when --config is not given)")
     parser.add_argument("--config", default=None,
-                        help="a checkpoint directory or config.json instead of --preset (default: none)")
+                        help="a checkpoint directory, a run directory (its hf/ export) or a config.json instead of "
+                             "--preset (default: none)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job (required)")
     parser.add_argument("--gpu", default="gb200", help=f"GPU kind for the datasheet numbers, one of "
                                                        f"{', '.join(GPUS)} (default: gb200)")
@@ -521,8 +531,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=10, help="layouts to list (default: 10)")
     parser.add_argument("--serve", action="store_true", help="compare serving layouts instead (default: training)")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded at once with --serve (default: 1)")
-    parser.add_argument("--checkpoint", default="nvfp4", choices=tuple(SERVING_CHECKPOINTS),
-                        help="serving checkpoint format (default: nvfp4, NVIDIA's mixed NVFP4/FP8/BF16 checkpoint)")
+    parser.add_argument("--checkpoint", default=None, choices=tuple(SERVING_CHECKPOINTS),
+                        help="serving checkpoint format (default: nvfp4, NVIDIA's mixed NVFP4/FP8/BF16 checkpoint; "
+                             "bf16 with --rollout, the weights the learner pushes)")
+    parser.add_argument("--rollout", action="store_true",
+                        help="lay out one vLLM engine of --gpus GPUs for rollouts or serving: the `vllm serve` flags "
+                             "and the [grpo] / [mopd] settings (hybridtron.dist.vllm_layout; --checkpoint: its "
+                             "weights, here bf16 unless given) (default: off)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                        help=f"with --rollout: the share of each GPU's memory vLLM takes (default: "
+                             f"{DEFAULT_GPU_MEMORY_UTILIZATION})")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables (default: off)")
 
 
@@ -530,16 +548,22 @@ def run(args) -> int:
     if args.preset and args.config:
         raise ValueError("give --preset or --config, not both")
     name = args.config or args.preset or "ultra3"
-    config = ModelConfig.from_hf(args.config) if args.config else preset(name)
+    config = read_model_config(args.config) if args.config else preset(name)
     if args.gpus is None or args.gpus < 1:
         raise ValueError(f"--gpus must be a positive integer, got {args.gpus}")
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    if args.rollout:
+        cluster = cluster_for(args.gpu, args.gpus, gpus_per_node=min(args.gpus_per_node, args.gpus),
+                              hbm_gib=args.hbm_gib)
+        result = plan_engine(config, cluster, args.gpu, args.checkpoint or "bf16", args.gpu_memory_utilization)
+        print(json.dumps(_jsonable(result)) if args.json else format_engine(result, config, name))
+        return 0
     cluster = cluster_for(args.gpu, args.gpus, gpus_per_node=args.gpus_per_node, nvlink_domain=args.nvlink_domain,
                           hbm_gib=args.hbm_gib, nvlink_gbps=args.nvlink_gbps, ib_gbps=args.ib_gbps,
                           hbm_gbps=args.hbm_gbps)
     if args.serve:
-        result = serve_plan(config, cluster, args.batch, args.seq_len, args.checkpoint)
+        result = serve_plan(config, cluster, args.batch, args.seq_len, args.checkpoint or "nvfp4")
         print(json.dumps(_jsonable(result)) if args.json else format_serve(result, name, cluster))
         return 0
     workload = Workload(seq_len=args.seq_len, tokens_per_iter=args.tokens_per_iter, micro_batch=args.micro_batch,

@@ -115,6 +115,22 @@ def step_metrics(parallel: Parallel, metrics: list[dict[str, torch.Tensor]], tok
     return values, int(counted)
 
 
+def step_ranges(parallel: Parallel, ranges: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The step's [min, max] of each statistic (this rank's: `train.stats.merge_ranges`) over the data-parallel
+    ranks, on every rank; under PP the last stage's, broadcast as `step_metrics` does."""
+    if ranges and parallel.layout.dp * parallel.layout.cp > 1:
+        names = list(ranges)
+        extremes = torch.stack([ranges[name] * torch.tensor([-1.0, 1.0], device=ranges[name].device)
+                                for name in names]).double().to(parallel.device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=parallel.group("data"))  # -min and max
+        ranges = {name: row * torch.tensor([-1.0, 1.0], dtype=row.dtype, device=row.device)
+                  for name, row in zip(names, extremes)}
+    if parallel.pipeline is not None:
+        ranges = parallel.broadcast_object({name: value.cpu() for name, value in ranges.items()},
+                                           src=parallel.pipeline.loss_rank)
+    return ranges
+
+
 def merge_balance_states(parallel: Parallel, state: dict) -> dict:
     """Under PP: the router-load windows of every stage's routers as one state (`ExpertBalance.state_dict`'s
     form), so a checkpoint holds all routers whatever the stage cut that loads it."""

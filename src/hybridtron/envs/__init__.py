@@ -1,5 +1,7 @@
 """Environments for RL with verifiable rewards and for SFT data: one small interface, a registry, and two
-built-ins, `math` (exact-value grading in child processes) and `code` (hidden unit tests in a sandbox).
+built-ins, `math` (exact-value grading in child processes) and `code` (hidden unit tests in a sandbox), and the
+multi-turn ones with tools run in the sandbox, `math-python` (a `python` tool) and `terminal` (a `bash` tool on a
+generated file tree; see hybridtron.envs.agentic and the turn loop, hybridtron.post.agentic).
 
     env = get_env("math", levels=(1, 2))
     tasks = env.tasks("train", 64, seed=0)
@@ -10,10 +12,13 @@ Write your own: subclass `Environment`, implement `generate(rng) -> Task` (or `t
 decorate it with `@register("name")`.
 """
 
-from hybridtron.envs.base import (ENV_PREFIX, SPLITS, Environment, Task, assistant_turn, env_names, env_sft_examples,
-                                  get_env, register, split_of, write_jsonl)
+from hybridtron.envs.base import (ENV_PREFIX, SPLITS, Environment, Episode, Task, ToolResult, assistant_turn, env_names,
+                                  env_sft_examples, get_env, register, split_of, write_jsonl)
 from hybridtron.envs.code import CodeEnv
 from hybridtron.envs.math import MathEnv
+from hybridtron.envs.math_python import MathPythonEnv
+from hybridtron.envs.terminal import TerminalEnv
 
-__all__ = ["ENV_PREFIX", "SPLITS", "CodeEnv", "Environment", "MathEnv", "Task", "assistant_turn", "env_names",
-           "env_sft_examples", "get_env", "register", "split_of", "write_jsonl"]
+__all__ = ["ENV_PREFIX", "SPLITS", "CodeEnv", "Environment", "Episode", "MathEnv", "MathPythonEnv", "Task",
+           "TerminalEnv", "ToolResult", "assistant_turn", "env_names", "env_sft_examples", "get_env", "register",
+           "split_of", "write_jsonl"]

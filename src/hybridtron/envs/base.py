@@ -10,6 +10,13 @@ An environment hands out tasks and scores completions of them:
 
 A procedural environment only writes `generate(rng) -> Task` and `reward`; `tasks` draws from `generate`,
 keeps the tasks of the requested split and drops repeats.
+
+A multi-turn environment also declares `tools` (OpenAI-style function declarations, which the chat template renders
+into the system turn) and opens an `Episode` per trajectory (`episode(task)`): the trajectory's own state (a fresh
+sandbox directory), its tools (`Episode.call(name, arguments) -> ToolResult`, which never raises: a tool that fails,
+times out or floods its output answers with an error) and the verifier on the final state (`Episode.reward(final)`).
+The turn loop that drives a model through an episode is `hybridtron.post.agentic`; the trajectory it returns,
+`hybridtron.envs.agentic`. A single-turn environment is an episode of one turn whose reward is `reward(task, final)`.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ class Task:
     difficulty: int = 1
     reference: str | None = None
     id: str = ""
+    state: str | None = None  # what a multi-turn environment rebuilds the task's starting state from (e.g. JSON)
 
     def __post_init__(self):
         if not isinstance(self.prompt, str) or not self.prompt.strip():
@@ -65,6 +73,53 @@ class Task:
             object.__setattr__(self, "id", f"{self.domain}-{digest}")
 
 
+TOOL_ERRORS = ("malformed", "unknown_tool", "bad_arguments", "failed", "timeout", "output_limit", "disk_limit")
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What one tool call gave back: `content`, the `tool` message the model reads next, and `error`, one of
+    `TOOL_ERRORS` where the call went wrong (the content then says what happened), counted in the trajectory's
+    stats: "malformed" a call that did not parse, "unknown_tool" a name not declared, "bad_arguments" arguments
+    against the declaration, "failed" an exception or a non-zero exit, "timeout" the wall clock or CPU limit,
+    "output_limit" output cut at the limit, "disk_limit" the task directory grown past its size limit."""
+
+    content: str
+    error: str | None = None
+
+    def __post_init__(self):
+        if self.error is not None and self.error not in TOOL_ERRORS:
+            raise ValueError(f"ToolResult.error must be one of {TOOL_ERRORS} or None, got {self.error!r}")
+
+
+class Episode:
+    """One trajectory of a task: the state the tools act on and the verifier on the final state. This base is a
+    single-turn episode (no tools; the reward is the environment's on the final answer); a multi-turn environment
+    subclasses it. Use as a context manager, or call `close()`, to release the state (its sandbox directory)."""
+
+    def __init__(self, env: "Environment", task: Task):
+        self.env, self.task = env, task
+
+    def call(self, name: str, arguments: dict) -> ToolResult:
+        """Run the tool `name`; the turn loop has checked that `name` is declared and `arguments` is an object.
+        Must not raise for anything the model did: report it in the result."""
+        return ToolResult(f"error: this environment has no tool {name!r}", "unknown_tool")
+
+    def reward(self, final: str) -> float:
+        """The verifier's score of the trajectory, in [0, 1], from its final answer (the text of the model's last
+        turn) and the episode's final state."""
+        return self.env.reward(self.task, final)
+
+    def close(self) -> None:
+        """Release the episode's state."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def assistant_turn(reasoning: str, final: str) -> str:
     """The assistant content of an SFT example: reasoning inside the think tags, then the final answer."""
     return f"{THINK_START}{reasoning}{THINK_END}{final}"
@@ -77,6 +132,12 @@ class Environment(ABC):
     name: ClassVar[str] = ""
     domain: ClassVar[str] = "general"
     system_prompt: ClassVar[str] = ""
+    tools: ClassVar[tuple[dict, ...]] = ()  # declarations (hybridtron.data.tools.function_tool); none: single-turn
+    max_turns: ClassVar[int] = 1  # model turns per trajectory (the turn loop's default limit)
+
+    def episode(self, task: Task) -> Episode:
+        """A fresh trajectory of `task` (see `Episode`); a multi-turn environment returns its own kind."""
+        return Episode(self, task)
 
     def generate(self, rng: random.Random) -> Task:
         """One task drawn at random (procedural environments). Either this or `tasks` must be overridden."""
@@ -123,6 +184,10 @@ class Environment(ABC):
 
     def sft_examples(self, n: int, seed: int = 0) -> list[dict]:
         """`n` training-split conversations ending in the task's reference turn."""
+        if self.tools:
+            raise ValueError(f"environment {self.name!r} is multi-turn (tools: "
+                             f"{', '.join(t['function']['name'] for t in self.tools)}): its SFT data are trajectories "
+                             "through the turn loop (hybridtron.post.agentic), not single reference turns")
         examples = []
         for task in self.tasks("train", n, seed):
             if task.reference is None:

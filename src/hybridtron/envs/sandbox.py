@@ -34,6 +34,7 @@ import functools
 import json
 import logging
 import os
+import random
 import selectors
 import shutil
 import signal
@@ -48,6 +49,10 @@ from typing import Any, Sequence
 log = logging.getLogger(__name__)
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
+NOBODY = 65534  # sandbox_runner.NOBODY: who a root parent's candidate runs as
+# A trajectory's own user id (under a root parent), drawn from a range no system account uses: RLIMIT_NPROC counts
+# the processes of a user, so with one user for every sandbox, 16 trajectories' shells would share one process limit.
+RUN_AS_RANGE = (200_000, 1_000_000)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +153,7 @@ class SandboxResult:
     isolation: Isolation | None
     wall_s: float                         # the whole call, as seen by the caller
     supervisor_error: str | None = None   # the trusted side failed (a bug or a machine problem)
+    output_truncated: bool = False        # output_bytes reached: the rest was cut off (the pipe closed)
 
 
 @dataclass(frozen=True)
@@ -278,16 +284,24 @@ class _Stream:
             self.open = False
 
 
-def run_python(source: str, exprs: Sequence[str], config: SandboxConfig = SandboxConfig()) -> SandboxResult:
-    """Execute `source`, then evaluate each expression in its namespace, inside the sandbox."""
+def run_python(source: str, exprs: Sequence[str], config: SandboxConfig = SandboxConfig(), *,
+               workdir: str | os.PathLike | None = None, run_as: int | None = None) -> SandboxResult:
+    """Execute `source`, then evaluate each expression in its namespace, inside the sandbox. `workdir`: a directory
+    of the caller's (made by `make_workdir`) that the candidate works in and may write, kept after the run (a
+    multi-turn environment's task directory); its size is watched against `disk_mb`. Without it the candidate
+    gets a fresh one that is removed. `run_as`: the user id a root parent's candidate runs as (default nobody; see
+    `new_run_as`)."""
     started = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix="hybridtron-sandbox-")
-    os.chmod(workdir, 0o755)
+    if workdir is not None and not os.path.isdir(workdir):
+        raise FileNotFoundError(f"sandbox workdir {workdir}: not a directory")
+    own_dir = tempfile.mkdtemp(prefix="hybridtron-sandbox-")
+    os.chmod(own_dir, 0o755)
     result_r, result_w = os.pipe()
     report_r, report_w = os.pipe()
     job = {"source": source, "exprs": list(exprs), "result_fd": result_w, "report_fd": report_w,
            "wall_s": config.wall_s, "setup_s": config.setup_s, "namespaces": config.namespaces,
            "landlock": config.landlock, "max_value_bytes": config.value_bytes,
+           "workdir": None if workdir is None else os.path.realpath(workdir), "run_as": run_as,
            "limits": {k: getattr(config, k) for k in ("cpu_s", "memory_mb", "processes", "file_mb", "disk_mb",
                                                        "open_files")}}
     proc = None
@@ -295,7 +309,7 @@ def run_python(source: str, exprs: Sequence[str], config: SandboxConfig = Sandbo
     streams: list[_Stream] = []
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-S", str(RUNNER)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=workdir, env={},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=own_dir, env={},
                                 pass_fds=(result_w, report_w), start_new_session=True)
         os.close(result_w)
         os.close(report_w)
@@ -340,7 +354,7 @@ def run_python(source: str, exprs: Sequence[str], config: SandboxConfig = Sandbo
                 os.close(fd)
         for stream in streams:
             stream.close()
-        _remove_tree(workdir)
+        _remove_tree(own_dir)
     return _result(exprs, output, results, report, time.monotonic() - started)
 
 
@@ -364,7 +378,7 @@ def _result(exprs, output: _Stream, results: _Stream, report: _Stream, wall_s: f
                          timed_out=bool(records.get("timed_out", supervisor_error is not None)),
                          disk_exceeded=bool(records.get("disk_exceeded", False)),
                          exit_code=records.get("exit_code"), isolation=isolation, wall_s=wall_s,
-                         supervisor_error=supervisor_error)
+                         supervisor_error=supervisor_error, output_truncated=output.overflow)
 
 
 def _first_record(data: bytearray) -> dict:
@@ -397,6 +411,50 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+SHELL = "/bin/bash"
+SHELL_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LC_ALL": "C.UTF-8", "TERM": "dumb"}
+
+
+def make_workdir(prefix: str = "hybridtron-task-") -> Path:
+    """A fresh directory for `run_python(..., workdir=)` / `run_shell`, to fill with a task's files and then hand
+    over with `hand_over(path)`; the caller removes it (`remove_workdir`)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    path.chmod(0o755)
+    return path
+
+
+def new_run_as() -> int:
+    """A user id for one trajectory's sandboxed calls (`run_python(run_as=)`), unused by the system's accounts."""
+    return random.randrange(*RUN_AS_RANGE)
+
+
+def hand_over(workdir: str | os.PathLike, run_as: int | None = None) -> None:
+    """Make a task directory the candidate's: under a root parent the candidate runs as `run_as` (default nobody),
+    which must own what it may change (a non-root parent's candidate keeps its uid, mapped to root in its user
+    namespace)."""
+    if os.getuid() != 0:
+        return
+    user = run_as or NOBODY
+    for parent, dirs, files in os.walk(workdir):
+        for name in [*dirs, *files]:
+            os.lchown(os.path.join(parent, name), user, user)
+    os.chown(workdir, user, user)
+
+
+def remove_workdir(workdir: str | os.PathLike) -> None:
+    _remove_tree(str(workdir))
+
+
+def run_shell(command: str, workdir: str | os.PathLike, config: SandboxConfig = SandboxConfig(), *,
+              run_as: int | None = None) -> SandboxResult:
+    """`bash -c command` in the sandbox, working in `workdir` (kept between calls): the sandbox's candidate process
+    replaces itself with bash, so every protection and limit applies to bash and what it starts; its exit status is
+    the result's `exit_code`, its stdout and stderr the `output`."""
+    source = (f"import os\nos.execve({SHELL!r}, ['bash', '-c', {command!r}], "
+              f"{{**{SHELL_ENV!r}, 'HOME': os.getcwd(), 'PWD': os.getcwd()}})")
+    return run_python(source, [], config, workdir=workdir, run_as=run_as)
 
 
 def run_tests(source: str, tests: Sequence[str | UnitTest], config: SandboxConfig = SandboxConfig()) -> TestReport:

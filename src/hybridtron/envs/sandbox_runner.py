@@ -259,7 +259,9 @@ def supervise(job):
         isolation["errors"].append("the candidate process died during setup")
     send(report_fd, {"isolation": isolation})
     started = time.monotonic()
-    watch_dir = None if isolation.get("mount_ns") else os.getcwd()
+    # a caller's directory is the host's (no tmpfs caps it): watched like the working directory without a mount
+    # namespace
+    watch_dir = job.get("workdir") or (None if isolation.get("mount_ns") else os.getcwd())
     status, stopped = wait_with_deadline(pid, started + job["wall_s"], watch_dir,
                                          job["limits"]["disk_mb"] << 20)
     if isolation.get("pid_ns"):
@@ -318,9 +320,10 @@ def python_dirs():
     return dirs
 
 
-def build_root(root, disk_mb):
-    """A new root: tmpfs with read-only binds of the system and Python, /work (tmpfs, `disk_mb`), /dev nodes,
-    a fresh /proc. The old root is detached after pivot_root, so no other path of the host is reachable."""
+def build_root(root, disk_mb, work_source=None):
+    """A new root: tmpfs with read-only binds of the system and Python, /work (tmpfs, `disk_mb`; or a bind of the
+    caller's `work_source`, a directory kept between runs), /dev nodes, a fresh /proc. The old root is detached
+    after pivot_root, so no other path of the host is reachable."""
     check(libc.unshare(CLONE_NEWNS), "unshare(mount)")
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=0755")
@@ -336,7 +339,11 @@ def build_root(root, disk_mb):
             open(f"{root}/dev/{name}", "w").close()
             mount("/dev/" + name, f"{root}/dev/{name}", None, MS_BIND)
     os.makedirs(root + "/work")
-    mount("tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,mode=0777")
+    if work_source:
+        mount(work_source, root + "/work", None, MS_BIND)
+        mount(None, root + "/work", None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | mount_flags_of(root + "/work"))
+    else:
+        mount("tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,mode=0777")
     os.symlink("/work", root + "/tmp")
     os.makedirs(root + "/proc")
     proc = True
@@ -456,16 +463,19 @@ def candidate(job, mode, isolation, setup_w):
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     # Without a user namespace RLIMIT_NPROC counts every process of the candidate's user: leave room for
     # those (counted now, while /proc is still the host's).
-    user = NOBODY if job["parent_uid"] == 0 else os.getuid()
+    user = (job.get("run_as") or NOBODY) if job["parent_uid"] == 0 else os.getuid()
     processes_already = 0 if mode == "userns" else count_processes_of(user)
     if mode != "none":
         try:
-            isolation["proc"] = build_root(workdir, job["limits"]["disk_mb"])
+            isolation["proc"] = build_root(workdir, job["limits"]["disk_mb"], job.get("workdir"))
             isolation["mount_ns"] = True
             workdir = "/work"
         except OSError as e:
             isolation["errors"].append(f"private root: {e}")
             os.chdir(workdir)
+    if not isolation["mount_ns"] and job.get("workdir"):
+        workdir = job["workdir"]
+        os.chdir(workdir)
     try:
         forbid_new_privileges()
         isolation["no_new_privs"] = True
@@ -479,11 +489,11 @@ def candidate(job, mode, isolation, setup_w):
     elif job["parent_uid"] == 0:
         try:
             if not isolation["mount_ns"]:
-                os.chown(workdir, NOBODY, NOBODY)
+                os.chown(workdir, user, user)
             os.setgroups([])
-            os.setresgid(NOBODY, NOBODY, NOBODY)
-            os.setresuid(NOBODY, NOBODY, NOBODY)  # from root to nobody: every capability goes with it
-            isolation["outer_uid"] = NOBODY
+            os.setresgid(user, user, user)
+            os.setresuid(user, user, user)  # from root to nobody: every capability goes with it
+            isolation["outer_uid"] = user
         except OSError as e:
             isolation["errors"].append(f"switch to nobody: {e}")
     try:

@@ -1,44 +1,46 @@
 """`hybridtron eval`: a checkpoint measured four ways, each a subcommand.
 
-    hybridtron eval tasks --model runs/pipe/rlvr/hf --env math --levels 1,2 --tasks 200
-    hybridtron eval loss  --model runs/long/hf --lengths 256,1k,2k --out runs/long/eval
-    hybridtron eval ruler --model runs/long/hf --lengths 256,1k,2k --samples 10 --out runs/long/eval
-    hybridtron eval harness --model runs/long/hf --tasks TASK [--include-path DIR] [--limit N]
+    hybridtron eval tasks --model runs/pipe/rlvr --env math --levels 1,2 --tasks 200
+    hybridtron eval loss  --model runs/long --lengths 256,1k,2k --out runs/long/eval
+    hybridtron eval ruler --model runs/long --lengths 256,1k,2k --samples 10 --out runs/long/eval
+    hybridtron eval harness --model runs/long --tasks TASK [--include-path DIR] [--limit N]
 
 `tasks`: pass@1 (pass@k with samples) on the held-out tasks of the environments (hybridtron.eval.tasks). `loss`: the
 held-out next-token loss by position bucket on long documents, the standard long-context signal (does the loss keep
 falling past the training length? hybridtron.eval.positions). `ruler`: RULER's synthetic tasks at each length,
 scored as RULER scores them (hybridtron.eval.ruler). `harness`: lm-evaluation-harness with hybridtron's engine as
 its model `hybridtron` (hybridtron.eval.lm_eval_adapter; the optional `eval` extra). Every subcommand reads any
-`nemotron_h` checkpoint with its tokenizer (ours or one transformers wrote), or a run directory's `hf/` export.
+`nemotron_h` checkpoint with its tokenizer (ours or one transformers wrote), or a run directory's `hf/` export
+(`resolve_checkpoint_dir`). Every option is checked, and every output path found writable, before the model loads
+(`hybridtron.eval.options`); while one runs, a progress line with an estimate goes to stderr (`--quiet`: none).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from hybridtron.checkpoint import load_pretrained
+from hybridtron.checkpoint.hf import resolve_checkpoint_dir
 from hybridtron.config import ModelConfig
 from hybridtron.data.build import split_validation
 from hybridtron.data.chat import load_chat_tokenizer
-from hybridtron.envs import get_env
-from hybridtron.eval.positions import (DEFAULT_SOURCE, check_length, load_model_and_tokenizer, loss_by_position,
-                                       parse_lengths, plot_position_loss, source_documents)
+from hybridtron.envs import env_names, get_env
+from hybridtron.eval.options import check_device, check_output_path
+from hybridtron.eval.positions import (DEFAULT_SOURCE, check_length, checkpoint_with_tokenizer,
+                                       load_model_and_tokenizer, loss_by_position, parse_lengths, plot_position_loss,
+                                       source_documents)
 from hybridtron.eval.ruler import TASKS, Haystack, plot_ruler, run_ruler, task_spec
-from hybridtron.eval.tasks import evaluate_env
-from hybridtron.infer.engine import load_engine, resolve_checkpoint_dir
+from hybridtron.eval.tasks import evaluate_env, task_prompts
+from hybridtron.infer.decoder import check_max_tokens
+from hybridtron.infer.engine import load_engine
 from hybridtron.infer.memory import human_bytes, slot_bytes
 from hybridtron.train.long_context import PHASE_DATA
 from hybridtron.train.preflight import available_memory
-
-try:  # the optional `eval` extra: lm-evaluation-harness, which the adapter plugs into (only `eval harness` needs it)
-    from hybridtron.eval import lm_eval_adapter
-except ImportError as missing:
-    lm_eval_adapter, LM_EVAL_MISSING = None, str(missing)
 
 THINKING = {"auto": None, "on": True, "off": False}
 # the share of a source's origins held out by default: the long-context phase's data.val_fraction, so that `eval
@@ -61,6 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "every lm_eval option: python -m hybridtron.eval.lm_eval_adapter --model hybridtron ..."))
 
 
+def add_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quiet", action="store_true", help="no progress line on stderr (default: one, with an "
+                                                             "estimate of the time left)")
+
+
+def check_positive(**options: int) -> None:
+    """ValueError naming the first option (`batch_size` is --batch-size) whose value is below 1."""
+    for name, value in options.items():
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: expected an integer >= 1")
+
+
 def run(args) -> int:
     return {"tasks": run_tasks, "loss": run_loss, "ruler": run_ruler_command, "harness": run_harness}[
         args.eval_command](args)
@@ -69,14 +83,16 @@ def run(args) -> int:
 # -------------------------------------------------------------------------------------------------- tasks
 def add_tasks_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="an HF checkpoint directory with its tokenizer files and chat "
-                                                       "template (required)")
+                                                       "template, or a run directory with an hf/ export (required)")
     parser.add_argument("--env", default="math", help="environments, comma-separated: math, code (default: math)")
     parser.add_argument("--levels", help="difficulty levels, e.g. 1,2 (default: each environment's own)")
     parser.add_argument("--tasks", type=int, default=200, help="test-split tasks per environment (default: 200)")
     parser.add_argument("--samples", type=int, default=1, help="completions per task; above 1 needs --temperature "
                                                                "(default: 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="completion length cap (default: 256)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="completion length cap; the longest prompt and "
+                                                                    "it must fit in the model's context (default: "
+                                                                    "256)")
     parser.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (default: 32)")
     parser.add_argument("--thinking", choices=tuple(THINKING), default="auto",
                         help="the generation prompt's thinking switch: auto (the model decides), on (opens <think>), "
@@ -84,26 +100,66 @@ def add_tasks_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the task draw and of sampling (default: 0)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: 0, torch's)")
     parser.add_argument("--json", help="also write the results (and 5 sample completions per environment) to this "
-                                       "file (default: none)")
+                                       "file, in a directory that exists (default: none)")
+    add_quiet(parser)
+
+
+def parse_levels(text: str | None) -> dict:
+    """--levels 1,2 as get_env's keyword."""
+    if not text:
+        return {}
+    items = [item.strip() for item in text.split(",")]
+    if not all(item.isdigit() for item in items):
+        raise ValueError(f"--levels {text}: expected difficulty levels, comma-separated integers such as 1,2")
+    return {"levels": tuple(int(item) for item in items)}
 
 
 def run_tasks(args) -> int:
+    names = [n.strip() for n in args.env.split(",") if n.strip()]
+    for name in names or [args.env]:
+        if name not in env_names():
+            raise ValueError(f"--env {name!r}: unknown environment; known: {', '.join(env_names())}")
+    levels = parse_levels(args.levels)
+    check_positive(tasks=args.tasks, samples=args.samples, max_tokens=args.max_tokens, batch_size=args.batch_size)
+    if args.temperature < 0:
+        raise ValueError(f"--temperature {args.temperature}: expected >= 0 (0 = greedy)")
+    if args.samples > 1 and args.temperature == 0:
+        raise ValueError(f"--samples {args.samples} needs a --temperature above 0 (greedy samples are all the same)")
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads}: expected >= 1, or 0 for torch's default")
+    if args.json:
+        check_output_path(args.json, "--json", directory=False)
+    directory, _ = resolve_checkpoint_dir(args.model)
     if args.threads:
         torch.set_num_threads(args.threads)
-    levels = {"levels": tuple(int(v) for v in args.levels.split(","))} if args.levels else {}
-    model = load_pretrained(args.model, dtype=torch.float32)
-    tokenizer = load_chat_tokenizer(args.model, vocab_size=model.config.vocab_size, require_template=True)
+    model = load_pretrained(directory, dtype=torch.float32)
+    tokenizer = load_chat_tokenizer(directory, vocab_size=model.config.vocab_size, require_template=True)
+    thinking = THINKING[args.thinking]
     results = {}
-    for name in [n.strip() for n in args.env.split(",") if n.strip()]:
-        with get_env(name, **levels) as env:
-            tasks = env.tasks("test", args.tasks, args.seed)
-            result = evaluate_env(model, tokenizer, env, tasks, samples=args.samples, max_tokens=args.max_tokens,
-                                  batch_size=args.batch_size, temperature=args.temperature, seed=args.seed,
-                                  enable_thinking=THINKING[args.thinking])
-        print(f"{name} test ({args.levels or 'all levels'}): {result.format()}")
-        results[name] = result.to_dict(samples=5)
+    with ExitStack() as stack:
+        envs = {}
+        for name in names:
+            try:
+                envs[name] = stack.enter_context(get_env(name, **levels))
+            except ValueError as error:
+                if not levels:
+                    raise
+                raise ValueError(f"--levels {args.levels}: {error}") from None  # the name is known: not its levels
+        drawn = {name: env.tasks("test", args.tasks, args.seed) for name, env in envs.items()}
+        for name, env in envs.items():  # every environment's before any is evaluated
+            longest = max(len(ids) for ids in task_prompts(tokenizer, env, drawn[name], thinking))
+            check_max_tokens(args.max_tokens, longest, model.config.max_position_embeddings, option="--max-tokens",
+                             prompt=f"the longest {name} prompt")
+        for name, env in envs.items():
+            result = evaluate_env(model, tokenizer, env, drawn[name], samples=args.samples,
+                                  max_tokens=args.max_tokens, batch_size=args.batch_size,
+                                  temperature=args.temperature, seed=args.seed, enable_thinking=thinking,
+                                  progress=not args.quiet)
+            print(f"{name} test ({args.levels or 'all levels'}): {result.format()}", flush=True)
+            results[name] = result.to_dict(samples=5)
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "levels": args.levels, **results}, indent=2))
+        print(f"written: {args.json}")
     return 0
 
 
@@ -133,23 +189,28 @@ def add_loss_arguments(parser: argparse.ArgumentParser) -> None:
                                                             "length)")
     parser.add_argument("--seed", type=int, default=0, help="the order documents are drawn in (default: 0)")
     parser.add_argument("--out", help="write loss_by_position.json and .png here (default: print the table only)")
+    add_quiet(parser)
 
 
 def run_loss(args) -> int:
-    model, tokenizer = load_model_and_tokenizer(args.model)
     lengths = parse_lengths(args.lengths)
+    check_positive(windows=args.windows, **({} if args.bucket_width is None else {"bucket_width": args.bucket_width}))
+    if args.held_out and not 0 < args.held_out < 1:
+        raise ValueError(f"--held-out {args.held_out}: expected a fraction in (0, 1), or 0")
+    if args.out:
+        check_output_path(args.out, "--out", directory=True)
+    model, tokenizer = load_model_and_tokenizer(args.model)
     for length in lengths:  # before the documents load
         check_length(model, length)
     documents = source_documents(args.data)
     if args.held_out:
-        if not 0 < args.held_out < 1:
-            raise ValueError(f"--held-out: expected a fraction in (0, 1) or 0, got {args.held_out}")
         documents = [documents[i] for i in split_validation(documents, args.held_out)[1]]
         if not documents:
             raise ValueError(f"--data {args.data}: --held-out {args.held_out} holds out none of its documents; raise "
                              f"it, or give --held-out 0 to read them all")
     result = loss_by_position(model, tokenizer, lengths, documents=documents, source=args.data,
-                              windows=args.windows, bucket_width=args.bucket_width, seed=args.seed)
+                              windows=args.windows, bucket_width=args.bucket_width, seed=args.seed,
+                              progress=not args.quiet)
     print(result.format_table())
     if args.out:
         out = Path(args.out)
@@ -172,6 +233,7 @@ def add_ruler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", action="store_true", help="decode with the MTP drafter (the same greedy "
                                                                    "text; default: plain decoding)")
     parser.add_argument("--out", help="write ruler.json and ruler.png here (default: print the table only)")
+    add_quiet(parser)
 
 
 def check_ruler_memory(config, context: int, slots: int) -> None:
@@ -190,19 +252,21 @@ def run_ruler_command(args) -> int:
     tasks = [name.strip() for name in args.tasks.split(",") if name.strip()]
     for task in tasks:
         task_spec(task)  # an unknown task: one line naming the known ones
-    if args.samples < 1 or args.batch_size < 1:
-        raise ValueError(f"--samples and --batch-size: expected positive integers, got {args.samples}, "
-                         f"{args.batch_size}")
-    config = ModelConfig.from_hf(resolve_checkpoint_dir(args.model)[0])
+    check_positive(samples=args.samples, batch_size=args.batch_size)
+    if args.out:
+        check_output_path(args.out, "--out", directory=True)
+    directory = checkpoint_with_tokenizer(args.model)
+    config = ModelConfig.from_hf(directory)
     for length in lengths:
         if length > config.max_position_embeddings:
             raise ValueError(f"--lengths {length:,}: beyond the model's max_position_embeddings "
                              f"({config.max_position_embeddings:,}); ask for at most that")
     check_ruler_memory(config, max(lengths), args.batch_size)
-    engine = load_engine(args.model, speculative=args.speculative, max_slots=args.batch_size,
+    engine = load_engine(directory, speculative=args.speculative, max_slots=args.batch_size,
                          max_context=max(lengths))
     haystack = Haystack.stdlib() if any(task_spec(task).haystack == "text" for task in tasks) else None
-    result = run_ruler(engine, tasks, lengths, samples=args.samples, seed=args.seed, haystack=haystack)
+    result = run_ruler(engine, tasks, lengths, samples=args.samples, seed=args.seed, haystack=haystack,
+                       progress=not args.quiet)
     print(result.table())
     if args.out:
         out = Path(args.out)
@@ -224,18 +288,60 @@ def add_harness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="requests scored or decoded together (default: 8)")
     parser.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:N (default: cpu)")
     parser.add_argument("--output-path", help="lm_eval's results directory (default: none)")
+    add_quiet(parser)
+
+
+def check_harness_arguments(args) -> Path:
+    """Every `eval harness` option that lm_eval would refuse late (after indexing its tasks: seconds) or with a
+    traceback, refused first in one line; returns the checkpoint directory."""
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    if not tasks:
+        raise ValueError(f"--tasks {args.tasks!r}: expected lm_eval task names or YAML files, comma-separated")
+    for task in tasks:
+        if task.endswith((".yaml", ".yml")) and not Path(task).is_file():
+            raise ValueError(f"--tasks {task}: no such task file")
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        raise ValueError(f"--include-path {args.include_path}: no such directory (expected a directory of task "
+                         f"YAMLs)")
+    if args.limit is not None and not (0 < args.limit < 1 or (args.limit >= 1 and args.limit.is_integer())):
+        raise ValueError(f"--limit {args.limit:g}: expected a number of examples per task (an integer >= 1) or a "
+                         f"fraction of them in (0, 1)")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ValueError(f"--num-fewshot {args.num_fewshot}: expected an integer >= 0")
+    check_positive(batch_size=args.batch_size)
+    check_device(args.device)
+    if args.output_path:
+        check_output_path(args.output_path, "--output-path", directory=None)
+    return checkpoint_with_tokenizer(args.model)
 
 
 def run_harness(args) -> int:
-    if lm_eval_adapter is None:
-        raise ValueError(f"eval harness needs lm-evaluation-harness ({LM_EVAL_MISSING}); install it with "
-                         f"`pip install -e .[eval]`")
+    directory = check_harness_arguments(args)
+    try:  # the optional `eval` extra: lm-evaluation-harness, which the adapter plugs into (only `eval harness` needs
+        # it, once its arguments are known to be good)
+        from hybridtron.eval import lm_eval_adapter
+    except ImportError as missing:
+        raise ValueError(f"eval harness needs lm-evaluation-harness ({missing}); install it with "
+                         f"`pip install -e .[eval]`") from None
     options = {"--include_path": args.include_path, "--num_fewshot": args.num_fewshot, "--limit": args.limit,
                "--output_path": args.output_path}
-    argv = ["--model", lm_eval_adapter.MODEL_NAME, "--model_args", f"pretrained={args.model}", "--tasks", args.tasks,
+    model_args = f"pretrained={directory}" + (",progress=False" if args.quiet else "")
+    argv = ["--model", lm_eval_adapter.MODEL_NAME, "--model_args", model_args, "--tasks", args.tasks,
             "--batch_size", str(args.batch_size), "--device", args.device]
     for flag, value in options.items():
         if value is not None:
             argv += [flag, str(value)]
-    lm_eval_adapter.main(argv)
+    try:
+        lm_eval_adapter.main(argv)
+    except ConnectionError as error:  # datasets' "Couldn't reach 'NAME' on the Hub (...)", after its retries
+        raise ValueError(f"--tasks {args.tasks}: a task's dataset could not be downloaded ({error}): no network, or "
+                         f"the Hugging Face Hub is unreachable. Fill the datasets cache where there is a network and "
+                         f"set HF_DATASETS_OFFLINE=1 here, or write a task YAML over local files (dataset_path: "
+                         f"json, data_files) and pass its directory with --include-path") from None
+    except ValueError as error:
+        if str(error).startswith("Tasks not found"):  # lm_eval's
+            where = f" nor in --include-path {args.include_path}" if args.include_path else ""
+            raise ValueError(f"--tasks {args.tasks}: {error} (not among lm_eval's tasks{where}; list them with "
+                             f"`python -m hybridtron.eval.lm_eval_adapter ls tasks`)") from None
+        raise
     return 0

@@ -22,8 +22,9 @@ default), bfloat16, float16, or auto: the checkpoint's own), `max_length` (token
 max_position_embeddings), `max_gen_toks` (default 256), `speculative` (draft with the MTP block; default true:
 greedy output is plain decoding's), `add_bos_token` (default true: the model was trained on `bos text eos`
 documents), `enable_thinking` (the chat template's thinking switch; default unset), `seed` (of sampled generation;
-default 0). `--batch_size` is the rows of one scoring forward and the sequences decoded at once ("auto" is
-`AUTO_BATCH_SIZE`: no probing); `--device` cpu or cuda (cuda where none is: the CPU, with a warning).
+default 0), `progress` (a progress line with an estimate on stderr for each kind of request, as `hybridtron eval`
+prints; default true). `--batch_size` is the rows of one scoring forward and the sequences decoded at once ("auto"
+is `AUTO_BATCH_SIZE`: no probing); `--device` cpu, cuda or cuda:N (cuda where none is: the CPU, with a warning).
 
 The requests:
 - `loglikelihood` (context, continuation): one forward over the context and continuation (left-truncated to
@@ -49,10 +50,13 @@ from typing import Sequence
 
 import torch
 
+from hybridtron.checkpoint.hf import resolve_checkpoint_dir
 from hybridtron.data.chat import CHAT_TEMPLATE, load_chat_tokenizer, render_chat, token_text
 from hybridtron.data.tokenizer import IM_END
+from hybridtron.eval.options import check_device
 from hybridtron.eval.positions import load_model_and_tokenizer
-from hybridtron.infer.engine import HybridEngine, resolve_checkpoint_dir
+from hybridtron.eval.progress import Progress
+from hybridtron.infer.engine import HybridEngine
 from hybridtron.infer.fastpath import lay_out_for_decoding
 from hybridtron.infer.sampling import SamplingParams
 
@@ -86,13 +90,15 @@ def batch_rows(batch_size: int | str | None, max_batch_size: int | None) -> int:
 
 
 def resolve_device(device: str | None) -> torch.device:
-    """lm_eval's --device (its default is cuda:0): the CPU where CUDA is asked for but absent."""
-    if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
-        if device is not None:
-            logger.warning("%s: device %s asked for, but CUDA is not available; running on the CPU", MODEL_NAME,
-                           device)
+    """lm_eval's --device (its default is cuda:0): cpu, cuda or cuda:N (ValueError otherwise); the CPU where CUDA is
+    asked for but absent."""
+    if device is None:
         return torch.device("cpu")
-    return torch.device(device)
+    device = check_device(device, "device")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        logger.warning("%s: device %s asked for, but CUDA is not available; running on the CPU", MODEL_NAME, device)
+        return torch.device("cpu")
+    return device
 
 
 class HybridtronLM(TemplateLM):
@@ -102,14 +108,14 @@ class HybridtronLM(TemplateLM):
     def __init__(self, pretrained: str | None = None, *, dtype: str = "float32", device: str | None = None,
                  batch_size: int | str | None = 1, max_batch_size: int | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, speculative: bool = True, add_bos_token: bool = True,
-                 enable_thinking: bool | None = None, seed: int = 0):
+                 enable_thinking: bool | None = None, seed: int = 0, progress: bool = True):
         super().__init__()
         if pretrained is None:
             raise ValueError(f"{MODEL_NAME}: model_args needs pretrained=DIR, a nemotron_h checkpoint directory with "
                              f"its tokenizer.json")
         if dtype not in DTYPES:
             raise ValueError(f"{MODEL_NAME}: dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-        self.directory, self.model_name = resolve_checkpoint_dir(pretrained)
+        self.directory, self.model_name = resolve_checkpoint_dir(pretrained, "pretrained")
         self._device = resolve_device(device)
         model, self.tokenizer = load_model_and_tokenizer(self.directory, dtype=DTYPES[dtype], device=self._device)
         lay_out_for_decoding(model)  # the engine owns this model: its weights are laid out for decode steps
@@ -119,7 +125,7 @@ class HybridtronLM(TemplateLM):
                                    max_context=max_length, max_slots=self.batch_size)
         self.model, self.max_length = model, self.engine.max_context
         self.max_gen_toks, self.add_bos_token = max_gen_toks, add_bos_token
-        self.enable_thinking, self.seed = enable_thinking, seed
+        self.enable_thinking, self.seed, self.progress = enable_thinking, seed, progress
 
     # ------------------------------------------------------------------------------------------- tokens
     @property
@@ -185,9 +191,10 @@ class HybridtronLM(TemplateLM):
             results.append((float(total), bool((logprobs_NV.argmax(dim=-1) == targets_N).all())))
         return results
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **unused) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, unit: str = "loglikelihood requests",
+                              **unused) -> list[tuple[float, bool]]:
         """lm_eval's tokenized requests ((context, continuation) or None, context ids, continuation ids) ->
-        (log-likelihood of the continuation, greedy), in order."""
+        (log-likelihood of the continuation, greedy), in order; `unit` names them on the progress line."""
         rows = []
         for _, context_ids, continuation_ids in requests:
             if len(continuation_ids) > self.max_length:
@@ -197,10 +204,14 @@ class HybridtronLM(TemplateLM):
             rows.append((ids[:-1], continuation_ids))
         results: list[tuple[float, bool]] = [(0.0, True)] * len(rows)  # an empty continuation: log 1, greedy
         scored = sorted((i for i, (_, targets) in enumerate(rows) if targets), key=lambda i: -len(rows[i][0]))
+        # a row's forward costs about its length (a batch's, its longest's, padded): the estimate weighs them so
+        line = Progress("eval harness", len(scored), unit, work=sum(len(rows[i][0]) for i in scored),
+                        enabled=self.progress and not disable_tqdm and bool(scored))
         for start in range(0, len(scored), self.batch_size):  # longest first: a batch's rows pad little
             indices = scored[start:start + self.batch_size]
             for index, result in zip(indices, self.score_batch([rows[i] for i in indices])):
                 results[index] = result
+            line.advance(len(indices), work=sum(len(rows[i][0]) for i in indices))
         for (key, _, _), result in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, result)
@@ -216,7 +227,8 @@ class HybridtronLM(TemplateLM):
                 windows.append((None, context_ids, target_ids))
                 owners.append(index)
         totals = [0.0] * len(requests)
-        for owner, (loglikelihood, _) in zip(owners, self._loglikelihood_tokens(windows)):
+        for owner, (loglikelihood, _) in zip(owners, self._loglikelihood_tokens(
+                windows, disable_tqdm, unit="loglikelihood_rolling windows")):
             totals[owner] += loglikelihood
         for request, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
@@ -242,16 +254,23 @@ class HybridtronLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each context's continuation through the engine (the requests sharing their generation kwargs decode
-        together), cut at the first stop string."""
+        together, `batch_size` at a time), cut at the first stop string."""
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
         outputs = [""] * len(requests)
-        for indices in groups.values():
-            params = self.sampling_params(requests[indices[0]].args[1])
+        line = Progress("eval harness", len(requests), "generate_until requests",
+                        enabled=self.progress and not disable_tqdm and bool(requests))
+        for group in groups.values():
+            params = self.sampling_params(requests[group[0]].args[1])
             room = self.max_length - params.max_tokens  # the context keeps its last tokens (lm_eval's HF model's)
-            prompts = [self.tok_encode(requests[i].args[0])[-room:] for i in indices]
-            for index, [completion] in zip(indices, self.engine.generate(prompts, params, logprobs=False)):
+            prompts = [self.tok_encode(requests[i].args[0])[-room:] for i in group]
+            completions = []
+            for start in range(0, len(prompts), self.batch_size):  # first_prompt: sampled as one call would
+                completions += self.engine.generate(prompts[start:start + self.batch_size], params, logprobs=False,
+                                                    first_prompt=start)
+                line.advance(len(completions) - start)
+            for index, [completion] in zip(group, completions):
                 tokens = completion.token_ids
                 if tokens and tokens[-1] in self.engine.end_token_ids:
                     tokens = tokens[:-1]

@@ -41,17 +41,18 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from hybridtron.checkpoint import load_pretrained
+from hybridtron.checkpoint.hf import resolve_checkpoint_dir
 from hybridtron.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from hybridtron.data.build import DataConfig, load_documents
 from hybridtron.data.corpus import Document
 from hybridtron.data.tokenizer import Tokenizer
-from hybridtron.infer.engine import resolve_checkpoint_dir
+from hybridtron.eval.progress import Progress
 from hybridtron.ops.linear_cross_entropy import BLOCK_ELEMENTS, linear_cross_entropy
 from hybridtron.train.objectives import local_head_weight
 from hybridtron.train.preflight import available_memory, gib
@@ -147,15 +148,22 @@ def check_length(model, length: int, device: torch.device | None = None) -> None
 
 
 # ---------------------------------------------------------------------------------------------- documents
+def checkpoint_with_tokenizer(path: str | Path, option: str = "--model") -> Path:
+    """The checkpoint directory of `path` (`resolve_checkpoint_dir`: itself, or a run directory's `hf/` export),
+    which must hold the tokenizer the model was trained with; ValueError (one line) otherwise. Nothing is loaded."""
+    directory, _ = resolve_checkpoint_dir(path, option)
+    if not (directory / "tokenizer.json").is_file():
+        raise ValueError(f"{option} {directory}: no tokenizer.json beside the model; an evaluation reads the model's "
+                         f"own tokens, so the checkpoint must hold the tokenizer it was trained with")
+    return directory
+
+
 def load_model_and_tokenizer(directory: str | Path, *, dtype: torch.dtype | None = torch.float32,
                              device: str | torch.device = "cpu") -> tuple[torch.nn.Module, Tokenizer]:
     """A `nemotron_h` checkpoint (ours or one transformers wrote; a run directory's `hf/` export too) in eval
     mode, and its tokenizer; ValueError (one line) when the directory has no tokenizer.json. `dtype` None: the
     checkpoint's own."""
-    directory, _ = resolve_checkpoint_dir(directory)
-    if not (directory / "tokenizer.json").is_file():
-        raise ValueError(f"{directory}: no tokenizer.json beside the model; the loss is over the model's own tokens, "
-                         f"so the checkpoint must hold the tokenizer it was trained with")
+    directory = checkpoint_with_tokenizer(directory)
     model = load_pretrained(directory, dtype=dtype, device=device).eval()
     return model, Tokenizer.load(directory)
 
@@ -299,11 +307,12 @@ class PositionLoss:
 def loss_by_position(model, tokenizer: Tokenizer, lengths: Sequence[int], *,
                      documents: Sequence[Document] | None = None, source: str | Sequence[str] = DEFAULT_SOURCE,
                      windows: int = 16, bucket_width: int | None = None, seed: int = 0,
-                     progress: Callable[[str], None] | None = None) -> PositionLoss:
+                     progress: bool = False) -> PositionLoss:
     """The mean next-token CE of `model` by position bucket, for each window length in `lengths` (module
     docstring). `documents`: score these (`source` then only names them); else read `source`. `windows`: windows
-    per length, at most (one per document long enough). `bucket_width`: None for powers of two. `progress`: called
-    with a line after each window. Every length is checked (`check_length`) before any is scored."""
+    per length, at most (one per document long enough). `bucket_width`: None for powers of two. `progress`: a
+    progress line on stderr (`hybridtron.eval.progress`). Every length is checked (`check_length`) before any is
+    scored."""
     if windows < 1:
         raise ValueError(f"windows must be at least 1, got {windows}")
     if not lengths:
@@ -315,17 +324,19 @@ def loss_by_position(model, tokenizer: Tokenizer, lengths: Sequence[int], *,
     documents = source_documents(source) if documents is None else documents
     drawn = DocumentWindows(documents, tokenizer, seed=seed, name=name)
     model.eval()
+    # every length's windows before any is scored: a length no document reaches is refused before the work starts
+    drawn_ids = [(length, drawn.windows(length, windows, model.config.vocab_size)) for length in lengths]
+    # a window's forward costs about its length: the estimate weighs windows by it
+    line = Progress("eval loss", sum(len(ids) for _, ids in drawn_ids), "windows",
+                    work=sum(len(ids) * length for length, ids in drawn_ids), enabled=progress)
     results = []
-    for length in lengths:
+    for length, window_ids in drawn_ids:
         started = time.perf_counter()
-        window_ids = drawn.windows(length, windows, model.config.vocab_size)
         buckets = position_buckets(length, bucket_width)
         sums = torch.zeros(len(buckets), dtype=torch.float64)
-        for index, ids in enumerate(window_ids):
+        for ids in window_ids:
             sums += bucket_ce_sums(model, ids, buckets)
-            if progress is not None:
-                progress(f"length {length:,}: window {index + 1}/{len(window_ids)} "
-                         f"({time.perf_counter() - started:.0f}s)")
+            line.advance(work=length, note=f"length {length:,}")
         counts = [(end - start) * len(window_ids) for start, end in buckets]
         results.append(LengthLoss(length=length, windows=len(window_ids), buckets=tuple(buckets),
                                   mean_ce=tuple(float(s) / n for s, n in zip(sums, counts)), tokens=tuple(counts),

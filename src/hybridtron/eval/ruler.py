@@ -55,6 +55,7 @@ from pathlib import Path
 
 from hybridtron.data.stdlib import stdlib_files
 from hybridtron.data.tokenizer import Tokenizer
+from hybridtron.eval.progress import Progress
 from hybridtron.infer.engine import HybridEngine
 from hybridtron.infer.sampling import SamplingParams
 
@@ -480,9 +481,10 @@ def length_label(length: int) -> str:
 
 
 def run_ruler(engine: HybridEngine, tasks: Sequence[str], lengths: Sequence[int], *, samples: int = 10,
-              seed: int = 0, haystack: Haystack | None = None) -> RulerResult:
+              seed: int = 0, haystack: Haystack | None = None, progress: bool = False) -> RulerResult:
     """Each task at each length: `samples` prompts generated for the engine's tokenizer, decoded greedily through the
-    engine (batched over its slots: size them with its max_slots or memory_budget_gib) and scored as RULER."""
+    engine (batched over its slots: size them with its max_slots or memory_budget_gib) and scored as RULER.
+    `progress`: a progress line on stderr (`hybridtron.eval.progress`)."""
     started = time.perf_counter()
     if samples < 1 or not tasks or not lengths:
         raise ValueError(f"run_ruler: expected tasks, lengths and samples >= 1, got {list(tasks)}, {list(lengths)}, "
@@ -493,11 +495,18 @@ def run_ruler(engine: HybridEngine, tasks: Sequence[str], lengths: Sequence[int]
     if haystack is None and any(task_spec(task).haystack == "text" for task in tasks):
         haystack = Haystack.stdlib()
     tokenizer, scored, scores = engine.tokenizer, [], {}
+    # a length a task cannot be laid out at is refused before anything is decoded: each pair's first sample (a
+    # tenth of a second), kept for the batch
+    first = {(task, length): generate_sample(task, tokenizer, length, seed=seed, index=0, haystack=haystack)
+             for task in tasks for length in lengths}
+    # a sample's prefill and attention cost about its length: the estimate weighs samples by it
+    line = Progress("eval ruler", samples * len(tasks) * len(lengths), "samples",
+                    work=samples * len(tasks) * sum(lengths), enabled=progress)
     for task in tasks:
         spec = task_spec(task)
         for length in lengths:
-            batch = [generate_sample(task, tokenizer, length, seed=seed, index=i, haystack=haystack)
-                     for i in range(samples)]
+            batch = [first[task, length]] + [generate_sample(task, tokenizer, length, seed=seed, index=i,
+                                                             haystack=haystack) for i in range(1, samples)]
             params = SamplingParams(temperature=0.0, max_tokens=spec.answer_budget, seed=seed)
             completions = engine.generate([prompt_ids(tokenizer, s) for s in batch], params, logprobs=False)
             # the end token that stopped a completion is no part of its text
@@ -507,6 +516,7 @@ def run_ruler(engine: HybridEngine, tasks: Sequence[str], lengths: Sequence[int]
             score = SCORERS[spec.scoring]
             scores.setdefault(task, {})[length] = score(predictions, [s.references for s in batch])
             scored += [replace(s, prediction=p, score=score([p], [s.references])) for s, p in zip(batch, predictions)]
+            line.advance(samples, work=samples * length, note=f"{task} at {length_label(length)}")
     average = {n: round(sum(scores[t][n] for t in tasks) / len(tasks), 2) for n in lengths}
     return RulerResult(list(tasks), list(lengths), scores, average, scored, time.perf_counter() - started)
 

@@ -11,6 +11,10 @@ share of hidden tests passed). Greedy decoding by default, so pass@1 is one dete
                   that at least one of k samples drawn from the task's n is solved, 1 - C(n - c, k) / C(n, k))
     mean_reward   mean reward (equal to pass_at_1 where rewards are 0 or 1, as in math)
     by_difficulty pass@1 per difficulty level
+
+A completion that never closed its turn was cut: at `max_tokens` (`truncated_share`), or earlier by the model's
+context (`context_cut_share`: prompt + completion reached max_position_embeddings; `hybridtron eval tasks` refuses a
+`--max-tokens` for which that can happen, `check_max_tokens`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Sequence
 
 from hybridtron.data.chat import tokenize_chat
 from hybridtron.data.tokenizer import IM_END, THINK_START
+from hybridtron.eval.progress import Progress
 from hybridtron.infer.engine import generate_tokens
 from hybridtron.infer.sampling import SamplingParams
 
@@ -52,6 +57,8 @@ class EnvEvaluation:
     by_difficulty: dict[int, float]
     mean_completion_tokens: float
     truncated_share: float  # completions cut at max_tokens (they never closed their turn)
+    context_cut_share: float  # completions cut before max_tokens by the model's context
+    context: int  # the model's context (max_position_embeddings): prompt + completion at most
     seconds: float
     completions: list[str] = field(repr=False)  # task by task, each task's samples together
     rewards: list[float] = field(repr=False)
@@ -59,9 +66,11 @@ class EnvEvaluation:
     def format(self) -> str:
         levels = ", ".join(f"L{level} {value:.1%}" for level, value in sorted(self.by_difficulty.items()))
         extra = "".join(f", pass@{k} {value:.1%}" for k, value in self.pass_at_k.items() if k > 1)
+        context_cut = (f", {self.context_cut_share:.0%} cut by the model's context ({self.context} tokens)"
+                       if self.context_cut_share else "")
         return (f"pass@1 {self.pass_at_1:.1%}{extra} on {self.tasks} tasks x {self.samples} ({levels}); mean reward "
                 f"{self.mean_reward:.3f}; {self.mean_completion_tokens:.0f} tokens a completion, "
-                f"{self.truncated_share:.0%} cut at max_tokens; {self.seconds:.0f}s")
+                f"{self.truncated_share:.0%} cut at max_tokens{context_cut}; {self.seconds:.0f}s")
 
     def to_dict(self, samples: int = 0) -> dict:
         out = {k: v for k, v in asdict(self).items() if k not in ("completions", "rewards")}
@@ -71,13 +80,20 @@ class EnvEvaluation:
         return out
 
 
+def task_prompts(tokenizer, env, tasks: Sequence, enable_thinking: bool | None = None) -> list[list[int]]:
+    """Each task's prompt ids: its messages in the chat format with the generation prompt."""
+    return [tokenize_chat(tokenizer, env.prompt_messages(task), add_generation_prompt=True,
+                          enable_thinking=enable_thinking).ids.tolist() for task in tasks]
+
+
 def evaluate_env(model, tokenizer, env, tasks: Sequence, *, samples: int = 1, max_tokens: int = 256,
                  batch_size: int = 32, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 enable_thinking: bool | None = None, speculative: bool = False) -> EnvEvaluation:
+                 enable_thinking: bool | None = None, speculative: bool = False,
+                 progress: bool = False) -> EnvEvaluation:
     """Generate `samples` completions per task (greedy unless `temperature` > 0; several greedy samples would all
     be the same, so `samples` > 1 needs a temperature) and grade them with `env`. `model` is put in eval mode. A
     sampled completion depends on its task, its place in the list and `seed`, not on `batch_size`: a task listed k
-    times gets k independent samples."""
+    times gets k independent samples. `progress`: a progress line on stderr (`hybridtron.eval.progress`)."""
     if not tasks:
         raise ValueError("evaluate_env: no tasks")
     if batch_size < 1:
@@ -92,16 +108,21 @@ def evaluate_env(model, tokenizer, env, tasks: Sequence, *, samples: int = 1, ma
     # the opening the generation prompt wrote belongs to the completion the grader reads
     opening = THINK_START + "\n" if enable_thinking is True else ""
     graded = [task for task in tasks for _ in range(samples)]
-    prompts = [tokenize_chat(tokenizer, env.prompt_messages(task), add_generation_prompt=True,
-                             enable_thinking=enable_thinking).ids.tolist() for task in graded]
-    completions, lengths, truncated = [], [], 0
+    prompts = [ids for ids in task_prompts(tokenizer, env, tasks, enable_thinking) for _ in range(samples)]
+    context = model.config.max_position_embeddings
+    line = Progress(f"eval tasks {env.domain}", len(prompts), "completions", enabled=progress)
+    completions, lengths, truncated, context_cut = [], [], 0, 0
     for start in range(0, len(prompts), batch_size):
-        for tokens in generate_tokens(model, prompts[start:start + batch_size], params, speculative=speculative,
-                                      first_sample=start):
+        batch = prompts[start:start + batch_size]
+        for tokens in generate_tokens(model, batch, params, speculative=speculative, first_sample=start):
             stopped = bool(tokens) and tokens[-1] in params.stop_token_ids
-            truncated += not stopped
+            if not stopped and len(tokens) < max_tokens:  # the decoder stopped it at the context's end
+                context_cut += 1
+            else:
+                truncated += not stopped
             completions.append(opening + tokenizer.decode(tokens[:-1] if stopped else tokens))
             lengths.append(len(tokens))
+        line.advance(len(batch))
     rewards = env.rewards(graded, completions)
     solved = [sum(reward == 1.0 for reward in rewards[i * samples:(i + 1) * samples]) for i in range(len(tasks))]
     levels: dict[int, list[float]] = {}
@@ -113,4 +134,5 @@ def evaluate_env(model, tokenizer, env, tasks: Sequence, *, samples: int = 1, ma
         mean_reward=sum(rewards) / len(rewards),
         by_difficulty={level: sum(v) / len(v) for level, v in sorted(levels.items())},
         mean_completion_tokens=sum(lengths) / len(lengths), truncated_share=truncated / len(graded),
+        context_cut_share=context_cut / len(graded), context=context,
         seconds=time.perf_counter() - started, completions=completions, rewards=rewards)

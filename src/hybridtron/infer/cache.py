@@ -20,12 +20,20 @@ restores each sequence's Mamba states to the slot of its last accepted token and
 recompute.
 
 SSM state in lower precision (`state_quant`, the modes of `hybridtron.infer.state_quant`: fp32, fp16_sr,
-fp16_rtn, bf16_sr, bf16_rtn, int8_sr, int8_rtn): `store_states()` rounds every SSM state (and the recorded
-per-token states) to what that format would hold; whoever runs a forward on the cache calls it right after, so
-the next token reads the rounded state, as a cache that stores the format would give it. The values stay in an
-fp32 buffer (the mixer updates the state in fp32 and writes it back in place), so the rounding is exact but the
-memory saving is simulated: `memory_bytes()` counts the bytes of the stored format. The stochastic modes draw from
-the cache's own generator (seeded by `quant_seed`), so a seeded decode stays reproducible.
+fp16_rtn, bf16_sr, bf16_rtn, int8_sr, int8_rtn): every Mamba layer's SSM state is stored in that format
+(`StoredMambaState`: int8 values and their fp32 block scales, or fp16 / bf16 values), so `memory_bytes()` is the
+bytes of the tensors the cache holds. The update reads the state dequantized to fp32 (`read_ssm`) and writes its
+result back quantized (`write_ssm`), one layer at a time: the fp32 copy of a layer's state lives only during that
+layer's update. The stochastic modes draw from the cache's own generator (seeded by `quant_seed`), so a seeded
+decode stays reproducible. A compiled step cannot draw from a generator inside its graph: its new states leave
+the graph in fp32 (one step's, transient) and `store_states()` quantizes them right after, in the same order. A
+recorded forward's per-token states are kept in fp32 until `store_states()`, which quantizes them after the
+layers' own states (so a rewind restores values and scales as stored, with no second rounding); whoever runs a
+forward on the cache calls `store_states()` right after it.
+
+The reference (`reference_quant=True`): an fp32 buffer that `store_states()` rounds in place to what the format
+holds (`state_quant.roundtrip`), drawing in the same order, so the stored cache decodes bit for bit as it does
+(tests/infer/test_stored_state.py).
 
 `hybridtron.infer.fastpath.state_quant_drift` measures a mode: the KL from the fp32-cache model over a teacher-forced
 decode. Stochastic rounding wins where rounding errors can build up (a long SSM memory and a steady input,
@@ -42,19 +50,65 @@ from typing import Sequence
 import torch
 
 from hybridtron.config import ModelConfig
-from hybridtron.infer.state_quant import INT8_BLOCK, MODES, roundtrip
+from hybridtron.infer.state_quant import MODES, StoredState, dequantize_state, quantize_state, roundtrip, \
+    stored_layout
 from hybridtron.model.state import KVCache, LayerStates, MambaState, allocate_layers, kv_slots, select_layers
-
-STORED_ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
-INT8_SCALE_BYTES = 4
 
 
 @dataclass
 class RecordedSteps:
-    """A Mamba layer's state after each token of a recorded forward of T tokens."""
+    """A Mamba layer's state after each token of a recorded forward of T tokens; for a `StoredMambaState`, after
+    `store_states()`, the SSM states as it stores them (values, and the int8 scales)."""
 
     conv_BTCK: torch.Tensor  # [batch, T, conv channels, kernel - 1]
     ssm_BTHPN: torch.Tensor  # [batch, T, heads, head_dim, state]
+    scales_BTHPS: torch.Tensor | None = None  # [batch, T, heads, head_dim, state blocks]: int8 only
+
+
+@dataclass
+class StoredMambaState(MambaState):
+    """A Mamba state whose SSM part is stored in a `state_quant` mode other than fp32: `ssm_BHPN` holds the values
+    in the stored dtype (int8, fp16, bf16), `scales_BHPS` the int8 modes' fp32 scale per block of INT8_BLOCK along
+    the state axis (None otherwise), as `state_quant.quantize_state` makes them. `pending`: where a compiled step
+    writes its new state, in fp32 (`HybridCache.stage_writes` allocates it before the step, `store_states`
+    quantizes it and lets it go)."""
+
+    scales_BHPS: torch.Tensor | None
+    mode: str
+    generator: torch.Generator | None
+    pending: torch.Tensor | None = None
+
+    @classmethod
+    def zeros(cls, conv_BCK: torch.Tensor, shape: tuple[int, ...], mode: str,
+              generator: torch.Generator | None) -> "StoredMambaState":
+        dtype, scales_shape = stored_layout(shape, mode)
+        device = conv_BCK.device
+        scales = None if scales_shape is None else torch.zeros(scales_shape, dtype=torch.float32, device=device)
+        return cls(conv_BCK, torch.zeros(shape, dtype=dtype, device=device), scales, mode, generator)
+
+    def read_ssm(self) -> torch.Tensor:
+        # contiguous (as the reference's fp32 buffer is): the update's reductions then sum in the same order
+        return dequantize_state(StoredState(self.mode, self.ssm_BHPN, self.scales_BHPS))
+
+    def write_ssm(self, ssm_BHPN: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():  # no generator inside a graph: `store_states` quantizes it after
+            assert self.pending is not None, "a compiled step on a stored SSM state needs stage_writes() first"
+            self.pending.copy_(ssm_BHPN)
+        else:
+            self.store(quantize_state(ssm_BHPN, self.mode, self.generator))
+
+    def store(self, stored: StoredState) -> None:
+        self.ssm_BHPN.copy_(stored.values)
+        if self.scales_BHPS is not None:
+            self.scales_BHPS.copy_(stored.scales)
+
+    @property
+    def ssm_dtype(self) -> torch.dtype:
+        return torch.float32  # until `store_states` quantizes them
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        scales = {} if self.scales_BHPS is None else {"scales_BHPS": self.scales_BHPS}
+        return {**super().tensors(), **scales}
 
 
 def check_state_quant(mode: str) -> str:
@@ -68,13 +122,17 @@ class HybridCache(LayerStates):
     max_len: int
     state_quant: str = "fp32"
     quant_generator: torch.Generator | None = None
+    reference_quant: bool = False  # fp32 buffers rounded in place by `store_states` (see the module docstring)
     # by layer index: the states after each token of the last recorded forward (until `rewind_to`)
     recorded: dict[int, RecordedSteps] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, config: ModelConfig, batch: int, max_len: int, *, dtype=torch.float32, device="cpu",
                  state_dtype=torch.float32, kinds: tuple[str, ...] | None = None, state_quant: str = "fp32",
-                 quant_seed: int = 0) -> "HybridCache":
+                 quant_seed: int = 0, reference_quant: bool = False) -> "HybridCache":
+        """Zero states (`model.state.allocate_layers`); with `state_quant` other than fp32 every Mamba layer's SSM
+        state stored in it (`StoredMambaState`), or with `reference_quant` in an fp32 buffer that `store_states`
+        rounds (the reference)."""
         if max_len > config.max_position_embeddings:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position_embeddings "
                              f"{config.max_position_embeddings}")
@@ -87,8 +145,11 @@ class HybridCache(LayerStates):
         generator = None
         if state_quant != "fp32":
             generator = torch.Generator(device=device).manual_seed(quant_seed)
+            if not reference_quant:
+                layers = [StoredMambaState.zeros(layer.conv_BCK, layer.ssm_BHPN.shape, state_quant, generator)
+                          if isinstance(layer, MambaState) else layer for layer in layers]
         return cls(layers, torch.zeros(batch, dtype=torch.long, device=device), max_len,
-                   state_quant=state_quant, quant_generator=generator)
+                   state_quant=state_quant, quant_generator=generator, reference_quant=reference_quant)
 
     def select(self, index: int) -> "HybridCache":
         """A view of one sequence (writes go through to this cache)."""
@@ -98,7 +159,8 @@ class HybridCache(LayerStates):
         """A view of sequences start..stop-1 (writes go through to this cache); used to prefill some rows."""
         rows = slice(start, stop)
         return HybridCache(select_layers(self.layers, rows), self.lengths[rows], self.max_len,
-                           state_quant=self.state_quant, quant_generator=self.quant_generator)
+                           state_quant=self.state_quant, quant_generator=self.quant_generator,
+                           reference_quant=self.reference_quant)
 
     def copy_row(self, source: int, targets: Sequence[int]) -> None:
         """Make rows `targets` hold what row `source` holds (its positions, states and length): samples of one
@@ -122,7 +184,7 @@ class HybridCache(LayerStates):
                     row = theirs[source, :, :held]
                     mine[targets, :, :held] = row.clone() if same else row
             elif isinstance(layer, MambaState):
-                for mine, theirs in ((layer.conv_BCK, from_layer.conv_BCK), (layer.ssm_BHPN, from_layer.ssm_BHPN)):
+                for mine, theirs in zip(layer.tensors().values(), from_layer.tensors().values()):
                     mine[targets] = theirs[source].clone() if same else theirs[source]
         self.lengths[targets] = length
 
@@ -131,8 +193,8 @@ class HybridCache(LayerStates):
         past a row's length are never read, so they stay)."""
         for layer in self.layers:
             if isinstance(layer, MambaState):
-                layer.conv_BCK[start:stop].zero_()
-                layer.ssm_BHPN[start:stop].zero_()
+                for tensor in layer.tensors().values():
+                    tensor[start:stop].zero_()
         self.lengths[start:stop] = 0
 
     def resized(self, rows: int, max_len: int | None = None) -> "HybridCache":
@@ -148,11 +210,11 @@ class HybridCache(LayerStates):
                 layers.append(KVCache(*(_resized_kv(t, rows, slots) for t in (layer.k_BHTD, layer.v_BHTD)),
                                       layer.window))
             elif isinstance(layer, MambaState):
-                layers.append(MambaState(resized_rows(layer.conv_BCK, rows), resized_rows(layer.ssm_BHPN, rows)))
+                layers.append(layer.map_rows(lambda tensor: resized_rows(tensor, rows)))
             else:
                 layers.append(None)
         return HybridCache(layers, resized_rows(self.lengths, rows), max_len, state_quant=self.state_quant,
-                           quant_generator=self.quant_generator)
+                           quant_generator=self.quant_generator, reference_quant=self.reference_quant)
 
     def record(self, state: MambaState, steps: RecordedSteps) -> None:
         """Keep a Mamba layer's per-token states of the forward that is running (fastpath calls this)."""
@@ -174,48 +236,57 @@ class HybridCache(LayerStates):
         for i in mamba_layers:
             state, steps = self.layers[i], self.recorded[i]
             state.conv_BCK.copy_(steps.conv_BTCK[batch, slot])
-            state.ssm_BHPN.copy_(steps.ssm_BTHPN[batch, slot])
+            if isinstance(state, StoredMambaState):  # the values and scales as stored: no second rounding
+                assert steps.ssm_BTHPN.dtype == state.ssm_BHPN.dtype, "rewind_to before store_states"
+                state.store(StoredState(state.mode, steps.ssm_BTHPN[batch, slot],
+                                        None if steps.scales_BTHPS is None else steps.scales_BTHPS[batch, slot]))
+            else:
+                state.ssm_BHPN.copy_(steps.ssm_BTHPN[batch, slot])
         self.recorded.clear()
         self.lengths -= new_tokens - kept_new_tokens
 
+    def stage_writes(self) -> None:
+        """Before a compiled step: an fp32 buffer for each stored SSM state's new value (the graph cannot draw the
+        stochastic rounding's numbers), which `store_states` quantizes after it."""
+        for layer in self.layers:
+            if isinstance(layer, StoredMambaState):
+                layer.pending = torch.empty(layer.ssm_BHPN.shape, dtype=torch.float32, device=layer.ssm_BHPN.device)
+
     @torch.no_grad()
     def store_states(self) -> None:
-        """Round every SSM state (and the per-token states of a recorded forward) to the `state_quant` format.
+        """Store what the last forward left in fp32 in the `state_quant` format: a compiled step's new SSM states,
+        then the per-token states of a recorded forward (the reference: round every SSM state, then those).
 
         Call after each forward that updated the cache. fp32 is a no-op.
         """
         if self.state_quant == "fp32":
             return
         for layer in self.layers:
-            if isinstance(layer, MambaState):
+            if isinstance(layer, StoredMambaState) and layer.pending is not None:
+                layer.store(quantize_state(layer.pending, self.state_quant, self.quant_generator))
+                layer.pending = None
+            elif isinstance(layer, MambaState) and not isinstance(layer, StoredMambaState):
                 layer.ssm_BHPN.copy_(roundtrip(layer.ssm_BHPN, self.state_quant, self.quant_generator))
-        for steps in self.recorded.values():
-            steps.ssm_BTHPN = roundtrip(steps.ssm_BTHPN, self.state_quant, self.quant_generator)
-
-    def ssm_state_bytes(self, state: MambaState) -> int:
-        """Bytes of one layer's SSM state as the `state_quant` format stores it (fp32: the buffer itself)."""
-        if self.state_quant == "fp32":
-            return state.ssm_BHPN.nbytes
-        fmt = self.state_quant.split("_")[0]
-        elements = state.ssm_BHPN.numel()
-        total = elements * STORED_ELEMENT_BYTES[fmt]
-        if fmt == "int8":
-            size = state.ssm_BHPN.shape[-1]
-            blocks = elements // size * -(-size // INT8_BLOCK)
-            total += blocks * INT8_SCALE_BYTES
-        return total
+        for index, steps in self.recorded.items():
+            if isinstance(self.layers[index], StoredMambaState):
+                stored = quantize_state(steps.ssm_BTHPN, self.state_quant, self.quant_generator)
+                steps.ssm_BTHPN, steps.scales_BTHPS = stored.values, stored.scales
+            else:
+                steps.ssm_BTHPN = roundtrip(steps.ssm_BTHPN, self.state_quant, self.quant_generator)
 
     def slot_bytes(self) -> int:
         """Bytes of one row (one sequence's slot): `memory_bytes() / rows`."""
         return self.memory_bytes() // self.batch_size
 
     def memory_bytes(self) -> int:
+        """Bytes of the tensors the cache holds (a stored SSM state's values and scales; the reference's fp32
+        buffers)."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, KVCache):
                 total += layer.k_BHTD.nbytes + layer.v_BHTD.nbytes
             elif isinstance(layer, MambaState):
-                total += layer.conv_BCK.nbytes + self.ssm_state_bytes(layer)
+                total += sum(tensor.nbytes for tensor in layer.tensors().values())
         return total
 
 

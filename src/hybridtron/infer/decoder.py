@@ -105,7 +105,8 @@ class SequenceState:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per generated token, when top_n > 0
     finish_reason: str | None = None
     prefilled: int = 0  # prompt tokens already fed (while staged)
-    verify_steps: int = 0  # speculative verification steps it took part in, and the drafts they accepted
+    # speculative verification steps it took part in, by draft length, and the drafts they accepted
+    draft_lengths: dict[int, int] = field(default_factory=dict)
     accepted: int = 0
 
     @property
@@ -125,6 +126,16 @@ def context_limit(model, max_context: int | None) -> int:
             raise ValueError(f"max_context must be in [2, max_position_embeddings={limit}], got {max_context}")
         limit = max_context
     return limit
+
+
+def check_max_tokens(max_tokens: int, prompt_tokens: int, limit: int, *, option: str = "max_tokens",
+                     prompt: str = "the prompt") -> None:
+    """ValueError naming `option` when `max_tokens` after a prompt of `prompt_tokens` does not fit in the context
+    `limit`: asked for more, a generation would be cut by the context, not by `max_tokens`."""
+    room = limit - prompt_tokens
+    if max_tokens > room:
+        raise ValueError(f"{option} {max_tokens}: {prompt} has {prompt_tokens} tokens and the model's context is "
+                         f"{limit}, so at most {room} tokens can be generated")
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, limit: int) -> list[list[int]]:

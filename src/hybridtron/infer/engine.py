@@ -63,7 +63,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from hybridtron.checkpoint.hf import load_pretrained
+from hybridtron.checkpoint.hf import load_pretrained, resolve_checkpoint_dir
 from hybridtron.data.chat import render_chat, token_text
 from hybridtron.data.tokenizer import EOS, IM_END, Tokenizer
 from hybridtron.infer.decoder import (
@@ -214,10 +214,10 @@ class HybridEngine:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text of a conversation, ending in the assistant's generation prompt; ValueError names a
-        bad message's index and field."""
-        return render_chat(messages, add_generation_prompt=True,
+    def chat_template(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> str:
+        """The prompt text of a conversation (with its `tools` declared, if any), ending in the assistant's
+        generation prompt; ValueError names a bad message's index and field."""
+        return render_chat(messages, add_generation_prompt=True, tools=tools,
                            bos_token=token_text(self.tokenizer, self.tokenizer.bos_id)).text
 
     # ------------------------------------------------------------------------------------------- the loop
@@ -407,24 +407,16 @@ class HybridEngine:
         if not self.speculative:
             return
         controller = self.scheduler.batch.controller
-        stats = AcceptanceStats(draft_length=controller.fixed or max(controller.current.values(), default=0))
-        stats.steps = sum(s.verify_steps for s in sequences)
-        stats.accepted = sum(s.accepted for s in sequences)
-        self.last_stats = stats
-
-
-def resolve_checkpoint_dir(path: str | Path) -> tuple[Path, str]:
-    """(the checkpoint directory, the model's name): `path` itself, or a run directory's HF export `path/hf`."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such checkpoint directory")
-    if (path / "config.json").is_file():
-        name = path.resolve().name
-        return path, path.resolve().parent.name if name == "hf" else name
-    if (path / "hf" / "config.json").is_file():  # a run directory (`hybridtron pretrain --out`)
-        return path / "hf", path.resolve().name
-    raise ValueError(f"{path} holds no checkpoint: expected config.json there, or in {path / 'hf'} (the HF export of "
-                     f"a run directory)")
+        lengths: dict[int, int] = {}
+        for seq in sequences:
+            for k, steps in seq.draft_lengths.items():
+                lengths[k] = lengths.get(k, 0) + steps
+        # the draft lengths these sequences were verified at, not the controller's latest: their acceptance is
+        # averaged over those steps (the controller's k of the last step reported beside it read as "k = 1: 2.70")
+        self.last_stats = AcceptanceStats(
+            draft_length=max(lengths, default=0), steps=sum(lengths.values()),
+            accepted=sum(s.accepted for s in sequences), draft_lengths=lengths, adaptive=controller.fixed is None,
+            drafting_off=controller.fixed is None and any(controller.off.values()))
 
 
 def load_engine(model_dir: str | Path, speculative: bool | None = True, draft_length: int | None = None, *,

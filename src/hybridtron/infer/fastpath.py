@@ -72,12 +72,12 @@ def conv_taps(mixer: Mamba2Mixer, conv_input_BCT: torch.Tensor) -> torch.Tensor:
 def mamba_step(mixer: Mamba2Mixer, hidden_B1D: torch.Tensor, state: MambaState) -> torch.Tensor:
     """One token: the decode step's inputs (`Mamba2Mixer.decode_inputs`), the SSM state advanced in place."""
     z, x, B, C, dt, A = mixer.decode_inputs(hidden_B1D[:, 0], state)
-    ssm = state.ssm_BHPN.float()  # the state itself when it is fp32
+    ssm = state.read_ssm()  # the state itself when it is an fp32 buffer
     if torch.is_grad_enabled():
         ssm = ssm.clone()
     y = ssd_step_(ssm, x.float() * dt[..., None], dt * A, B.float(), C.float())
     if ssm is not state.ssm_BHPN:
-        state.ssm_BHPN.copy_(ssm)
+        state.write_ssm(ssm)
     return mixer.finish(y, x, z)[:, None]
 
 
@@ -98,7 +98,7 @@ def mamba_forward(mixer: Mamba2Mixer, hidden_BTD: torch.Tensor, state: MambaStat
     x, B, C = mixer.split_xbc(F.silu(conv_BCT).transpose(1, 2))
     dt, A = mixer.discretize(dt_raw)
     x_dt, a = x.float() * dt[..., None], dt * A
-    initial = state.ssm_BHPN.float()  # read before the state is overwritten below
+    initial = state.read_ssm()  # read before the state is overwritten below
     if torch.is_grad_enabled():  # autograd may keep it for the backward
         initial = initial.clone()
     if cache is None:
@@ -109,9 +109,9 @@ def mamba_forward(mixer: Mamba2Mixer, hidden_BTD: torch.Tensor, state: MambaStat
         kernel = mixer.conv1d.kernel_size[0]
         # the conv state after token t: the K-1 inputs ending at t (a view; rewind_to copies out the one it keeps)
         conv_steps = conv_input_BCT.unfold(-1, kernel - 1, 1)[:, :, 1:].permute(0, 2, 1, 3)
-        cache.record(state, RecordedSteps(conv_steps, ssm_steps.to(state.ssm_BHPN.dtype)))
+        cache.record(state, RecordedSteps(conv_steps, ssm_steps.to(state.ssm_dtype)))
     state.conv_BCK.copy_(conv_input_BCT[..., length:])
-    state.ssm_BHPN.copy_(final)
+    state.write_ssm(final)
     return mixer.finish(y, x, z)
 
 
@@ -122,7 +122,7 @@ def forward_recorded_ref(model, ids_BT: torch.Tensor, cache: HybridCache):
     for t in range(ids_BT.shape[1]):
         outputs.append(model(ids_BT[:, t:t + 1], cache=cache, mtp=False))
         for i, kept in steps.items():
-            kept.append((cache.layers[i].conv_BCK.clone(), cache.layers[i].ssm_BHPN.clone()))
+            kept.append((cache.layers[i].conv_BCK.clone(), cache.layers[i].read_ssm().clone()))
     for i, kept in steps.items():
         cache.recorded[i] = RecordedSteps(torch.stack([c for c, _ in kept], 1), torch.stack([s for _, s in kept], 1))
     out = outputs[-1]

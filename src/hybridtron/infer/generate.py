@@ -19,6 +19,7 @@ import argparse
 import sys
 import time
 
+from hybridtron.infer.decoder import check_max_tokens
 from hybridtron.infer.engine import load_engine
 from hybridtron.infer.sampling import ParamError, SamplingParams
 from hybridtron.infer.speculative import why_no_drafting
@@ -62,9 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def summary(count: int, seconds: float, compile_seconds: float | None, stats) -> str:
-    """The stderr line: tokens and rate, the compile time (None: not compiled), and whether decoding drafted
-    (`stats`: the engine's `last_stats`, None without speculative decoding)."""
-    line = f"[{count} tokens in {seconds:.2f}s, {count / max(seconds, 1e-9):.1f} tokens/s"
+    """The stderr line: tokens and rate, the compile time (None: not compiled), and what decoding did (`stats`: the
+    engine's `last_stats`, None without speculative decoding). It claims only what was measured: the draft lengths
+    the verification steps used (their mean acceptance length is at most the longest + 1), and that drafting did not
+    pay only where the adaptive controller turned it off at its measured step times."""
+    line = f"[{count} token{'' if count == 1 else 's'} in {seconds:.2f}s, {count / max(seconds, 1e-9):.1f} tokens/s"
     if compile_seconds is not None and stats is None:
         line += f" (steady state); decode step compiled in {compile_seconds:.2f}s before them"
     elif compile_seconds is not None:
@@ -72,15 +75,21 @@ def summary(count: int, seconds: float, compile_seconds: float | None, stats) ->
                 f"its own step when first tried, within these tokens)"
     if stats is None:
         return line + "; plain decode]"
-    verified = f"{stats.steps} verification step{'' if stats.steps == 1 else 's'}"
-    if stats.draft_length == 0:
-        # the adaptive draft length settles at 0 where drafting does not pay; a probe now and then may draft
-        line += "; plain decode: drafting did not pay at the measured acceptance and step times"
-        if stats.steps:
-            line += f" ({verified} probed it, mean acceptance length {stats.mean_acceptance_length:.2f})"
-        return line + "]"
-    return line + f"; speculative, draft length {stats.draft_length}: mean acceptance length " \
-                  f"{stats.mean_acceptance_length:.2f} over {verified}]"
+    off = "drafting off: it did not pay at the measured acceptance and step times" if stats.drafting_off else ""
+    if not stats.steps:
+        if count < 2:  # the first token comes from the prompt's forward
+            return line + "; no decode step, nothing drafted]"
+        return line + "; plain decode, no step drafted" + (f" ({off})" if off else "") + "]"
+    lengths = sorted(stats.draft_lengths) or [stats.draft_length]
+    chosen = f"draft length {lengths[0]}" if len(lengths) == 1 else f"draft lengths {lengths[0]}..{lengths[-1]}"
+    if stats.adaptive:  # the controller times its steps: the same seed gives the same text (drafts never change
+        # it) but may draft differently from run to run
+        chosen += " (adapted to the measured acceptance and step times: they vary run to run)"
+    steps = f"{stats.steps} verification step{'' if stats.steps == 1 else 's'}"
+    line += f"; speculative, {chosen}: mean acceptance length {stats.mean_acceptance_length:.2f} over {steps}"
+    if stats.drafted:
+        line += f", {stats.accepted} of {stats.drafted} drafts accepted"
+    return line + (f"; then {off}" if off else "") + "]"
 
 
 def warm_up(engine, prompt_ids: list[int], params) -> float:
@@ -123,9 +132,7 @@ def run(args) -> int:
     if room < 1:
         raise ValueError(f"--prompt has {len(prompt_ids)} tokens; the model's context is {engine.max_context}, so a "
                          f"prompt may have at most {engine.max_context - 1}")
-    if args.max_tokens > room:
-        raise ValueError(f"--max-tokens {args.max_tokens}: the prompt has {len(prompt_ids)} tokens and the model's "
-                         f"context is {engine.max_context}, so at most {room} tokens can be generated")
+    check_max_tokens(args.max_tokens, len(prompt_ids), engine.max_context, option="--max-tokens")
     warm_up_seconds = None
     if args.compile and args.max_tokens >= 2:  # one token comes from the prefill alone: no decode step to compile
         print("[compiling the decode step: a warm-up generation...]", file=sys.stderr, flush=True)

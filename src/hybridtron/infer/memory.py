@@ -18,10 +18,10 @@ engine's caches).
 Weights (`--weights nvfp4|fp8|bf16`, `--policy`): the bytes of the model's checkpoint in that format under an
 export policy (`hybridtron.numerics.export_policy`, what `hybridtron quantize` writes), spread evenly over `--gpus`
 GPUs of `--gpu-memory-gib` each, and what each has left for activations, KV cache and Mamba state; the table shows
-all three formats, the asked one marked. Ultra's report: on 8 x H100 an FP8 checkpoint (~540 GiB) leaves ~10 GiB
-per GPU, an NVFP4 one (~330 GiB) ~40 GiB. ultra3 (560B parameters) under `--policy experts`: FP8 554 GiB (10.7
-GiB left), NVFP4 340 GiB (37.5 GiB left); under `ultra` the BF16 tail (16 layers of 512 experts) adds ~105 GiB
-to NVFP4.
+all three formats, the asked one marked, alone unless `--context` or `--budget-gib` asks for the cache too. Ultra's
+report: on 8 x H100 an FP8 checkpoint (~540 GiB) leaves ~10 GiB per GPU, an NVFP4 one (~330 GiB) ~40 GiB. ultra3
+(560B parameters) under `--policy experts`: FP8 554 GiB (10.7 GiB left), NVFP4 340 GiB (37.5 GiB left); under
+`ultra` the BF16 tail (16 layers of 512 experts) adds ~105 GiB to NVFP4.
 
 `hybridtron memory --preset ultra3 --context 262144 --batch 8 --kv-dtype fp8 --state-dtype fp32`
 `hybridtron memory --config runs/quickstart/hf --kv-dtype fp32 --conv-dtype fp32 --include-mtp --budget-gib 1`
@@ -34,6 +34,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 
+from hybridtron.checkpoint.hf import read_model_config
 from hybridtron.config import ATTENTION, MAMBA, PRESETS, ModelConfig, preset
 from hybridtron.model.lm import HybridLM
 from hybridtron.model.memory import (
@@ -229,7 +230,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="a built-in configuration (default: ultra3 when --config is not given)")
     parser.add_argument("--config", default=None,
-                        help="a checkpoint directory or a config.json instead of --preset (default: none)")
+                        help="a checkpoint directory, a run directory (its hf/ export) or a config.json instead of "
+                             "--preset (default: none)")
     parser.add_argument("--context", type=int, default=None,
                         help="tokens per sequence (default: the model's max_position_embeddings)")
     parser.add_argument("--batch", type=int, default=1, help="sequences held at once (default: %(default)s)")
@@ -244,8 +246,9 @@ def add_arguments(parser) -> None:
                         help="also print how many engine slots (sequences decoding at once) fit in this much cache "
                              "memory, in GiB; with --include-mtp, a speculative engine's slots (default: none)")
     parser.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
-                        help="also print the checkpoint's weights in this format (and the others) per GPU and what "
-                             "that leaves for activations and cache (default: none)")
+                        help="print the checkpoint's weights in this format (and the others) per GPU and what that "
+                             "leaves for activations and cache; alone, unless --context or --budget-gib asks for the "
+                             "cache too (default: none)")
     parser.add_argument("--policy", choices=EXPORT_POLICIES, default="ultra",
                         help="with --weights: which weights are quantized (hybridtron quantize's --policy) "
                              "(default: %(default)s)")
@@ -260,7 +263,7 @@ def run(args) -> int:
     if args.preset and args.config:
         raise ValueError("give --preset or --config, not both")
     if args.config:
-        config, name = ModelConfig.from_hf(args.config), args.config
+        config, name = read_model_config(args.config), args.config
     else:
         name = args.preset or "ultra3"
         config = preset(name)
@@ -268,10 +271,14 @@ def run(args) -> int:
     report = memory_report(config, context, args.batch, args.kv_dtype, args.state_dtype, args.conv_dtype,
                            args.include_mtp, args.budget_gib)
     rows = None if args.weights is None else weights_table(config, args.policy, args.gpus, args.gpu_memory_gib)
+    # --weights alone asks about the checkpoint: its table only; --context or --budget-gib asks for the cache too
+    cache = rows is None or args.context is not None or args.budget_gib is not None
     if args.json:
-        print(json.dumps({**asdict(report), **({"weights": [asdict(row) for row in rows]} if rows else {})}))
+        print(json.dumps({**(asdict(report) if cache else {}),
+                          **({"weights": [asdict(row) for row in rows]} if rows else {})}))
     else:
-        print(format_report(report, name))
+        if cache:
+            print(format_report(report, name))
         if rows:
             print(format_weights(rows, args.weights, name))
     return 0

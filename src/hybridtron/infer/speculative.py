@@ -81,10 +81,16 @@ class AcceptanceStats:
     steps: int = 0
     accepted: int = 0
     histogram: list[int] = field(default_factory=list)  # steps that accepted 0, 1, .., draft_length drafts
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # steps by draft length
+    # the draft lengths were chosen by `DraftLengthController` (from measured step times: they differ run to run),
+    # and it had turned drafting off when the stats were taken (drafting did not pay at the measured times)
+    adaptive: bool = False
+    drafting_off: bool = False
 
     def record(self, n_accepted: int, draft_length: int) -> None:
         if draft_length > self.draft_length:
             self.draft_length = draft_length
+        self.draft_lengths[draft_length] = self.draft_lengths.get(draft_length, 0) + 1
         if len(self.histogram) <= self.draft_length:
             self.histogram += [0] * (self.draft_length + 1 - len(self.histogram))
         self.steps += 1
@@ -95,6 +101,11 @@ class AcceptanceStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verification step: accepted drafts + 1 (the target's own token)."""
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def drafted(self) -> int:
+        """Drafts verified."""
+        return sum(k * steps for k, steps in self.draft_lengths.items())
 
 
 def why_no_drafting(model) -> str | None:
@@ -557,7 +568,7 @@ class SpeculativeBatch(DecodeBatch):
         logprobs, tops = self.logprobs_of(logits, self.sampling(), probs, targets, sequences)
         emitted, accepted_list = [], accepted.tolist()
         for b, (seq, row_tokens, m) in enumerate(zip(sequences, targets.tolist(), accepted_list)):
-            seq.verify_steps += 1
+            seq.draft_lengths[k] = seq.draft_lengths.get(k, 0) + 1
             seq.accepted += m
             self.stats.record(m, k)
             emitted.append(self.emit(seq, row_tokens[:m + 1], logprobs[b] if logprobs else None,

@@ -18,7 +18,9 @@ Modes:
                               and stores zeros.
   int8_rtn                    the same blocks, q = clamp(round(x / s), -127, 127) (half to even).
 
-Pure torch; the lead's cache calls `roundtrip` (or quantize/dequantize) where it stores the state.
+Pure torch. The serving cache (`hybridtron.infer.cache.StoredMambaState`) holds `quantize_state`'s values and
+scales (`stored_layout`: their dtype and shapes) and reads them back with `dequantize_state`; `roundtrip` is the
+reference it is tested against: the same rounding, kept in an fp32 buffer.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ class StoredState:
     @property
     def nbytes(self) -> int:
         return self.values.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+
+def stored_layout(shape: tuple[int, ...], mode: str) -> tuple[torch.dtype, tuple[int, ...] | None]:
+    """(the dtype of the stored values, the shape of the int8 modes' scales or None) of a state of `shape` stored
+    in `mode` (not fp32): what `quantize_state` returns for it, so a cache can preallocate both."""
+    _check_mode(mode)
+    fmt = mode.split("_")[0]
+    if fmt == "int8":
+        return torch.int8, (*shape[:-1], -(-shape[-1] // INT8_BLOCK))
+    return FLOAT_FORMATS[fmt], None
 
 
 def _check_mode(mode: str) -> None:
@@ -107,8 +119,11 @@ def quantize_int8(x: torch.Tensor, stochastic: bool, generator: torch.Generator 
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    blocks = _blocks(q.float())
-    return (blocks * scales.unsqueeze(-1)).reshape(*q.shape[:-1], -1)[..., :q.shape[-1]]
+    """q * the scale of its block, fp32 [..., N], contiguous. Each element's scale is gathered by index: the padded
+    block form (pad, reshape, multiply, slice) and a repeat_interleave of the scales both give wrong values
+    compiled by inductor on a CPU (torch 2.13), and the compiled decode step reads the state through this."""
+    block_of = torch.arange(q.shape[-1], device=q.device) // INT8_BLOCK
+    return q.float() * scales[..., block_of]
 
 
 def quantize_state(x: torch.Tensor, mode: str, generator: torch.Generator | None = None) -> StoredState:

@@ -21,12 +21,13 @@ Shapes: B batch, T tokens per row, D hidden, L cache positions, C conv channels,
 
 from __future__ import annotations
 
-from functools import partial
+from functools import partial, wraps
 
 import torch
 import torch.nn.functional as F
 
 from hybridtron.config import ATTENTION, MAMBA, MOE
+from hybridtron.infer.cache import HybridCache
 from hybridtron.model.attention import Attention, windowed_cache_attention
 from hybridtron.model.mamba2 import Mamba2Mixer
 from hybridtron.model.moe import RoutedExperts
@@ -70,16 +71,16 @@ def mamba_tokens(mixer: Mamba2Mixer, hidden_BTD: torch.Tensor, state: MambaState
     x, B, C = mixer.split_xbc(F.silu(conv_BCT).transpose(1, 2))
     dt, A = mixer.discretize(dt_raw)
     x_dt, a = x.float() * dt[..., None], dt * A
-    ssm = state.ssm_BHPN.float()
+    ssm = state.read_ssm()
     outputs, states = [], []
     for t in range(tokens):
         y_t, ssm = ssd_step(ssm, x_dt[:, t], a[:, t], B[:, t].float(), C[:, t].float())
         outputs.append(y_t)
         states.append(ssm)
     if recorded is not None:
-        recorded.append((state, conv_input_BCW, torch.stack(states, 1).to(state.ssm_BHPN.dtype)))
+        recorded.append((state, conv_input_BCW, torch.stack(states, 1).to(state.ssm_dtype)))
     state.conv_BCK.copy_(conv_input_BCW[..., tokens:])
-    state.ssm_BHPN.copy_(ssm)
+    state.write_ssm(ssm)
     return mixer.finish(torch.stack(outputs, 1), x, z)
 
 
@@ -127,7 +128,7 @@ def rewind(cache, recorded: list, kept_B: torch.Tensor, tokens: int) -> None:
     for state, conv_input_BCW, ssm_BTHPN in recorded:
         window = state.conv_BCK.shape[-1]  # the conv state after token t: inputs t+1..t+K-1 of conv_input
         state.conv_BCK.copy_(conv_input_BCW.unfold(-1, window, 1)[rows_B, :, kept_B])
-        state.ssm_BHPN.copy_(ssm_BTHPN[rows_B, kept_B - 1])
+        state.write_ssm(ssm_BTHPN[rows_B, kept_B - 1])
     cache.lengths.sub_(tokens - kept_B)
 
 
@@ -155,13 +156,24 @@ def check_compilable(model) -> None:
 
 def compile_static(fn):
     """`torch.compile` of a static-shape step (see the module docstring). Compiling happens at the first call of
-    each shape; dynamo keeps the code with the function, so later batches of the same shapes reuse it."""
+    each shape; dynamo keeps the code with the function, so later batches of the same shapes reuse it. Each call
+    first stages the writes of the caches it is given (`HybridCache.stage_writes`: a stored SSM state's new value
+    leaves the graph in fp32, and the caller's `store_states` quantizes it)."""
     # one graph per (rows, cache size, draft length, sampling flags) of a model: more than dynamo's default of 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # cpp_wrapper: the compiled graph's launcher is C++ instead of Python, which saves what is left of the per-step
     # overhead once the ops are fused (1 thread: tiny 0.55 -> 0.43 ms/token, bench22m 3.22 -> ~3.0; compile
     # ~11 -> ~18 s)
-    return torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+
+    @wraps(fn)
+    def step(*args):
+        for arg in args:  # where the graph writes stored SSM states (the caller's `store_states` quantizes them)
+            if isinstance(arg, HybridCache):
+                arg.stage_writes()
+        return compiled(*args)
+
+    return step
 
 
 def compiled_size(rows: int, compiled: set[int], capacity: int) -> int:

@@ -6,6 +6,12 @@
 Labels are already shifted: `labels[b, t]` is the token position t must predict, -100 where nothing is to be
 predicted (a document boundary, padding). Depth k at position t predicts `labels[t + k]`, and only where
 `labels[t .. t+k]` are all valid, so no MTP target crosses a boundary the packer marked.
+
+A depth with no valid target at all (a sequence of T <= k tokens, or documents all shorter than k + 1) has weight
+zero: its CE is a zero with a zero gradient (`mean_or_zero`), and the mean over the depths keeps its divisor D, so
+every depth weighs mtp_loss_weight / D whatever the other depths hold (the report's 0.05 per depth), as the token-mean
+post-training losses do (`post.sft.sft_loss`). `LMOutput.mtp_target_counts` says which depths were empty. A
+batch with no target at all (T = 1) has a next-token loss of zero too.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ class LMOutput:
     logits: torch.Tensor | None  # None under forward(logits=False)
     loss: torch.Tensor | None = None
     lm_loss: torch.Tensor | None = None
-    mtp_losses: list[torch.Tensor] = field(default_factory=list)
+    mtp_losses: list[torch.Tensor] = field(default_factory=list)  # a depth with no target: a zero (`mean_or_zero`)
+    mtp_target_counts: list[int] = field(default_factory=list)  # each depth's valid targets (0: it adds nothing)
     mtp_logits: list[torch.Tensor] = field(default_factory=list)
     expert_counts: torch.Tensor | None = None  # [backbone MoE layers, experts]
     mtp_expert_counts: torch.Tensor | None = None  # [MoE layers of the MTP block, experts], summed over the depths
@@ -78,17 +85,29 @@ def counted_at_depth(counted_BT: torch.Tensor, depth: int, length: int) -> torch
 
 
 def mtp_targets(labels_BT: torch.Tensor, depth: int) -> torch.Tensor:
-    """Depth-k targets: labels[t+k] where labels[t..t+k] are all valid, else IGNORE_INDEX."""
+    """Depth-k targets [B, T]: labels[t+k] where labels[t..t+k] are all valid, else IGNORE_INDEX (all of them when
+    T <= k)."""
+    length = labels_BT.shape[1]
     valid = labels_BT != IGNORE_INDEX
-    shifted = F.pad(labels_BT[:, depth:], (0, depth), value=IGNORE_INDEX)
+    shifted = F.pad(labels_BT[:, depth:], (0, min(depth, length)), value=IGNORE_INDEX)
     chain_valid = valid.clone()
     for offset in range(1, depth + 1):
-        chain_valid &= F.pad(valid[:, offset:], (0, offset), value=False)
+        chain_valid &= F.pad(valid[:, offset:], (0, min(offset, length)), value=False)
     return shifted.masked_fill(~chain_valid, IGNORE_INDEX)
 
 
 def cross_entropy(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
     return ops_cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten(), IGNORE_INDEX)
+
+
+def mean_or_zero(mean_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], output: torch.Tensor,
+                 targets: torch.Tensor) -> torch.Tensor:
+    """`mean_loss(output, targets)` (a mean over the valid targets), or where there is none a zero whose gradient is
+    zero: a mean over nothing is 0 / 0, NaN in the value and the gradient. The zero stays in `output`'s graph, so a
+    backward still runs through every module that made it (context parallelism's collectives need every rank to)."""
+    if not bool((targets != IGNORE_INDEX).any()):
+        return output.sum() * 0.0 + 0.0  # + 0.0: a positive zero
+    return mean_loss(output, targets)
 
 
 class HybridLM(nn.Module):
@@ -239,9 +258,11 @@ class HybridLM(nn.Module):
         if labels is not None:
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
-            out.lm_loss = cross_entropy(out.logits, labels)
-            out.mtp_losses = [cross_entropy(mtp_logits, mtp_targets(labels, depth))
-                              for depth, mtp_logits in enumerate(out.mtp_logits, start=1)]
+            out.lm_loss = mean_or_zero(cross_entropy, out.logits, labels)
+            depth_targets = [mtp_targets(labels, depth) for depth in range(1, len(out.mtp_logits) + 1)]
+            out.mtp_losses = [mean_or_zero(cross_entropy, mtp_logits, targets)
+                              for mtp_logits, targets in zip(out.mtp_logits, depth_targets)]
+            out.mtp_target_counts = [int((targets != IGNORE_INDEX).sum()) for targets in depth_targets]
             out.loss = out.lm_loss
             if out.mtp_losses:
                 out.loss = out.loss + self.config.mtp_loss_weight * torch.stack(out.mtp_losses).mean()

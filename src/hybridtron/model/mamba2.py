@@ -104,12 +104,12 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self.split_xbc(F.silu(self.conv(conv_input_BCT, conv_seq_BT)).transpose(1, 2))
         dt, A = self.discretize(dt_raw)
         # a copy: autograd may keep the initial state for the backward, and the state is overwritten below
-        initial = state.ssm_BHPN.to(torch.float32, copy=True) if state is not None else None
+        initial = state.read_ssm().clone() if state is not None else None
         y, final = ssd_chunked(x.float() * dt[..., None], dt * A, B.float(), C.float(), self.chunk_size, initial,
                                seq_idx)
         if state is not None:
             state.conv_BCK.copy_(conv_input_BCT[..., length:])
-            state.ssm_BHPN.copy_(final)
+            state.write_ssm(final)
         return self.finish(y, x, z)
 
     # ---- one token, static shapes
@@ -130,8 +130,8 @@ class Mamba2Mixer(nn.Module):
         """`forward` of one token per sequence, [B, D] -> [B, D], advancing `state`: the SSM update as broadcast
         products (`ssd_step`), which a compiler fuses into one pass over the state, then copied into it."""
         z, x, B, C, dt, A = self.decode_inputs(hidden_BD, state)
-        y, ssm = ssd_step(state.ssm_BHPN.float(), x.float() * dt[..., None], dt * A, B.float(), C.float())
-        state.ssm_BHPN.copy_(ssm)
+        y, ssm = ssd_step(state.read_ssm(), x.float() * dt[..., None], dt * A, B.float(), C.float())
+        state.write_ssm(ssm)
         return self.finish(y, x, z)
 
 

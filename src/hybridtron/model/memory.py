@@ -10,7 +10,8 @@ last `sliding_window` tokens (`kv_cache_bytes`). Mamba-2 layers keep a constant 
   - conv state [conv_kernel - 1, inner + 2 * n_groups * ssm_state_size]: the last K-1 conv inputs (bf16 by default,
     the activation dtype), as vLLM and `hybridtron.infer.cache` keep it.
 An int8 SSM state (`hybridtron.infer.state_quant`) also stores one fp32 scale per block of INT8_BLOCK along the
-state axis.
+state axis. These are the bytes the serving cache holds in each format (`hybridtron.infer.cache.StoredMambaState`;
+tests/infer/test_stored_state.py checks them against an allocated cache).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Shapes: B batch, H heads, T positions, D head dim, C conv channels, K conv kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,8 +39,31 @@ def kv_slots(max_len: int, window: int | None) -> int:
 
 @dataclass
 class MambaState:
+    """A Mamba layer's state. The SSM update reads the SSM state with `read_ssm` and stores its result with
+    `write_ssm` (a state stored in another format, `hybridtron.infer.cache.StoredMambaState`, converts there)."""
+
     conv_BCK: torch.Tensor  # [batch, conv channels, kernel - 1]: the raw conv inputs of the last tokens
     ssm_BHPN: torch.Tensor  # [batch, heads, head_dim, state]
+
+    def read_ssm(self) -> torch.Tensor:
+        """The SSM state in fp32 (the buffer itself when it is fp32)."""
+        return self.ssm_BHPN.float()
+
+    def write_ssm(self, ssm_BHPN: torch.Tensor) -> None:
+        self.ssm_BHPN.copy_(ssm_BHPN)
+
+    @property
+    def ssm_dtype(self) -> torch.dtype:
+        """The dtype of the SSM states a recorded forward keeps for a rewind."""
+        return self.ssm_BHPN.dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the state by field name, each with the batch first (what row copies and resizes move)."""
+        return {"conv_BCK": self.conv_BCK, "ssm_BHPN": self.ssm_BHPN}
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MambaState":
+        """A state of the same kind whose every tensor is `fn` of this one's (a view of some rows, a resize)."""
+        return replace(self, **{name: fn(tensor) for name, tensor in self.tensors().items()})
 
 
 def allocate_layers(config: ModelConfig, batch: int, max_len: int, *, dtype=torch.float32, device="cpu",
@@ -71,7 +95,7 @@ def select_layers(layers: list, rows: slice) -> list:
         if isinstance(layer, KVCache):
             selected.append(KVCache(layer.k_BHTD[rows], layer.v_BHTD[rows], layer.window))
         elif isinstance(layer, MambaState):
-            selected.append(MambaState(layer.conv_BCK[rows], layer.ssm_BHPN[rows]))
+            selected.append(layer.map_rows(lambda tensor: tensor[rows]))
         else:
             selected.append(None)
     return selected

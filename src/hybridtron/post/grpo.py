@@ -14,8 +14,9 @@ One optimizer step:
    many steps old those weights may be (1; 0 is the synchronous schedule run on the asynchronous machinery).
 3. The learner (`GRPOObjective`, the same `Trainer` as pretraining and SFT): per micro-batch, the log-probs of the
    sampled completion tokens under the current policy at the rollout's temperature (and top-k / top-p, as the
-   engine sampled them: `sampled_logprobs`), with routing replay (R3) forcing the rollout's experts in every
-   backbone MoE layer while the gate weights come from the current router scores; then
+   engine sampled them: `sampled_logprobs`, `grpo.logprob_chunk` rows at a time through lm_head, never the
+   [tokens, vocab] logits: hybridtron.post.rl.objective), with routing replay (R3) forcing the rollout's experts in
+   every backbone MoE layer while the gate weights come from the current router scores; then
    `hybridtron.post.losses.grpo_loss`: DAPO clip-higher (0.2 / 0.28), optional dual clip, k3 KL to the frozen
    initial model (whose log-probs a reference-scoring role adds to the rollouts: hybridtron.post.reference) and
    entropy bonus (both off by default, as the recipe), the rollout-vs-trainer correction
@@ -25,13 +26,16 @@ One optimizer step:
 4. The MTP loss stays on during RL (`grpo.mtp_loss_weight`, masked CE of the MTP depths on the completion tokens,
    as miles' `--enable-mtp-training`), so the drafter keeps up with the policy it drafts for.
 
-One policy step per batch (no PPO epochs), as miles' Ultra recipe (rollout batch = global batch) and verl by
-default: the "old" policy is the learner at the start of the step, and since no update happens within a step,
-old = current detached. The ratio is therefore exactly 1 and the clip inactive (clip_fraction 0) on every token;
-what the clip would bound, the drift between the sampling and the learning policy, is here the rollout engine's
-numerical mismatch and, in asynchronous mode, the one-step staleness, and that is what the TIS / IcePop weight w
-corrects. Several epochs over a batch would make the clip bite; they are not offered, because Ultra did not use
-them and a one-step-stale batch already sits one update from the learner.
+Optimizer steps per rollout batch (`grpo.global_batch`, `grpo.epochs`; shared with MOPD: hybridtron.post.rl.config).
+By default one, as verl's defaults (rollout batch = mini-batch, one epoch): the "old" policy is the learner at the
+start of the step and, no update happening within a step, old = current detached, so the ratio is exactly 1 and the
+clip idle (clip_fraction 0) on every token; what drifts between the sampling and the learning policy is then the
+rollout engine's numerics and, asynchronously, the staleness, which the TIS / IcePop weight w corrects. With
+`global_batch` < the rollout batch's rows (miles' Ultra recipe: 32 x 8 = 256 rollouts, 128 a step,
+configs/grpo_miles.toml) or `epochs` > 1, a rollout batch trains over rows / global_batch x epochs steps against
+old log-probs the learner computed before the batch's first update (one no-grad forward, fixed for all of its
+steps, `RolloutBatches`): the first step's ratio is 1, every later one is off-policy by the updates since, and the
+clip (0.2 / 0.28) bounds them. The weights go to the rollout role after a rollout batch's last step.
 
 Rows whose group rewards all agree (when dynamic sampling is off, or could not refill) are kept out of the policy
 loss altogether, tokens and count: they carry no signal, and counting their tokens would only dilute the others'.
@@ -43,7 +47,8 @@ The run directory (the run scaffold's rules: hybridtron.train.run):
 
     run_config.json   --model, --env and the resolved [model], [grpo], [train], [monitor]
     metrics.jsonl     one line per step: loss, policy_loss, mtp_loss_<d>, reward_mean/std/zero_share/one_share,
-                      response_length, clip_fraction, ratio_mean, is_mismatch, is_out_of_bounds_share, entropy,
+                      response_length, clip_fraction (_low, _high), ratio_mean, ratio_min, ratio_max, approx_kl
+                      (k3 to the old policy), is_mismatch, is_out_of_bounds_share, entropy, rollout_step,
                       kl (to the initial model, with grpo.kl_coef > 0 or grpo.reference_kl), groups_trained/dropped,
                       rollout_tokens_per_s, mtp_acceptance_length, rollout_wait_s, policy_staleness, tokens_per_s,
                       ...; pass_at_1 (and per level) on evaluation steps
@@ -64,19 +69,18 @@ import torch
 from hybridtron.config import ModelConfig
 from hybridtron.dist.config import DistConfig
 from hybridtron.envs import env_names
-from hybridtron.post.losses import (GRPOLossConfig, grpo_loss, masked_mean, mismatch_metrics, rollout_correction,
-                                    token_entropy)
+from hybridtron.post.losses import (GRPOLossConfig, grpo_loss, masked_mean, masked_range, mismatch_metrics,
+                                    rollout_correction)
 from hybridtron.post.reference import REFERENCE_SCORE, ReferenceScoringRole
 from hybridtron.post.rl.command import RolloutRunCommand
 from hybridtron.post.rl.config import RESUMABLE_ROLLOUT_FIELDS, RolloutConfig
 from hybridtron.post.rl.evaluation import HeldOutAccuracy
-from hybridtron.post.rl.objective import RolloutObjective, sampled_logprobs
+from hybridtron.post.rl.objective import RolloutObjective
 from hybridtron.post.rl.roles import RoleSpec
 from hybridtron.post.rl.rollout import RolloutRole, load_env
-from hybridtron.post.sft import sft_loss
 from hybridtron.train.config import SectionedConfig, TrainConfig
 from hybridtron.train.monitor.config import MonitorConfig
-from hybridtron.train.objectives import ObjectiveOutput
+from hybridtron.train.objectives import ObjectiveOutput, token_mean_shares
 from hybridtron.train.run import Input
 
 # [train] defaults of GRPO over pretraining's: a small constant LR after a short warmup (RL recipes decay nothing),
@@ -96,7 +100,8 @@ class GRPOConfig(RolloutConfig):
 
     # groups
     group_size: int = 16  # G completions per prompt (Ultra: 16)
-    prompts_per_step: int = 8  # prompts per optimizer step: up to prompts_per_step x G rollouts a step
+    prompts_per_step: int = 8  # prompts per rollout batch: up to prompts_per_step x G rollouts (one step unless
+    #   global_batch splits them)
     # dynamic sampling (DAPO)
     dynamic_sampling: bool = True  # drop groups whose rewards all agree and refill the step with new prompts
     max_refill_rounds: int = 2  # extra generation rounds a step may take to refill
@@ -174,9 +179,10 @@ class GRPOObjective(RolloutObjective):
     learner, hybridtron.dist): see RolloutObjective. `mtp_depths`: the model's.
 
     Metrics, each the step's value: loss, policy_loss, mtp_loss_<d>; over the policy tokens: clip_fraction,
-    ratio_mean, kl (with a reference); over every completion token (the engines' agreement and the policy's
-    spread do not depend on the advantages): is_mismatch (mean |log w|), is_out_of_bounds_share (the share TIS
-    truncates / IcePop drops), entropy; policy_tokens; and the rollout statistics of the batch."""
+    clip_fraction_low / _high, ratio_mean, approx_kl (k3 to the old policy), kl (with a reference), and the ratio's
+    range (`ObjectiveOutput.ranges`: ratio_min, ratio_max); over every completion token (the engines' agreement
+    and the policy's spread do not depend on the advantages): is_mismatch (mean |log w|), is_out_of_bounds_share
+    (the share TIS truncates / IcePop drops), entropy; policy_tokens; and the rollout statistics of the batch."""
 
     headline = ("reward_mean", "reward")
 
@@ -189,18 +195,17 @@ class GRPOObjective(RolloutObjective):
         return [mb.completion_mask.sum(), mask.sum(), mask.any(dim=1).sum()]
 
     def policy_logprobs(self, model, mb):
-        """(the model's outputs (logits, *MTP logits), log-probs [B, L] of the labels) of one micro-batch, with
-        routing replay."""
+        """(the model's outputs (`HeadOutputs`), log-probs [B, L] of the labels) of one micro-batch, with routing
+        replay."""
         outputs, _ = self.forward(model, mb)
-        cfg = self.config
-        return outputs, sampled_logprobs(outputs[0], mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
+        return outputs, self.scores(outputs, mb).logp
 
     def loss_from_outputs(self, model, outputs, mb, expert_counts=None):
-        """The GRPO loss and metrics of a micro-batch from the learner's (logits, *MTP logits) (a pipeline's last
-        stage calls it; the expert counts are then the pipeline's)."""
+        """The GRPO loss and metrics of a micro-batch from the learner's outputs (`forward`'s, or a pipeline's last
+        stage's (logits, *MTP logits); the expert counts are then the pipeline's)."""
         cfg, loss_cfg = self.config, self.loss_config
-        logits, *mtp_logits = outputs
-        logp = sampled_logprobs(logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
+        scored = self.scores(outputs, mb, entropy=True)  # the entropy has a gradient where entropy_coef uses it
+        logp, entropy = scored.logp, scored.entropy
         mask, completion = mb.policy_mask, mb.completion_mask
         tokens, global_tokens = float(mask.sum()), self.counts[1]
         # the loss's divisor: the step's policy tokens (token_mean) or sequences (sequence_mean)
@@ -212,33 +217,35 @@ class GRPOObjective(RolloutObjective):
                                  f"reference's log-probs, but the rollouts carry no scores[{REFERENCE_SCORE!r}] "
                                  f"(the reference-scoring role adds them: hybridtron.post.reference)")
             ref_logp = mb.scores[REFERENCE_SCORE]
-        with torch.set_grad_enabled(torch.is_grad_enabled() and loss_cfg.entropy_coef > 0):
-            entropy = token_entropy(logits.float() / cfg.temperature)
         rollout_logp = mb.rollout_logprobs  # with correction "none" the mismatch is still logged
+        # the old policy: the learner before the rollout batch's first update (fixed over its mini-batches), or
+        # with one step a batch the learner before this step's update, i.e. now
+        old = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
         if global_policy > 0:
-            # one policy step per batch: the "old" policy is the learner before this step's update, i.e. now
-            policy_loss, policy_metrics = grpo_loss(logp, logp.detach(), mb.advantages, mask, global_policy,
+            policy_loss, policy_metrics = grpo_loss(logp, old, mb.advantages, mask, global_policy,
                                                     loss_cfg, rollout_logp=rollout_logp, ref_logp=ref_logp,
                                                     entropy=entropy)
         else:  # every group of the step agreed: no policy gradient (the MTP loss may still train)
             policy_loss = logp.sum() * 0.0
-            _, policy_metrics = grpo_loss(logp.detach(), logp.detach(), mb.advantages, mask, 1.0, loss_cfg,
+            _, policy_metrics = grpo_loss(logp.detach(), old, mb.advantages, mask, 1.0, loss_cfg,
                                           rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy)
         loss = policy_loss
-        mtp_losses = [sft_loss(depth_logits, mb.mtp_targets(depth), self.counts[2 + depth])
-                      for depth, depth_logits in enumerate(mtp_logits[:self.mtp_depths], start=1)]
+        mtp_losses = self.mtp_losses(outputs, mb, self.counts[3:])
         if mtp_losses:
             loss = loss + cfg.mtp_loss_weight * torch.stack(mtp_losses).mean()
         # the trainer logs the mean over micro-batches of each metric: scale each share by their number
         # (the rollout-vs-trainer mismatch and the entropy over every completion token, the rest over the policy's)
         scale, share = self.micro_batches, tokens / global_tokens if global_tokens > 0 else 0.0
         completion_share = float(completion.sum()) / self.counts[0]
+        # and the largest (smallest) rollout-vs-trainer weight w = exp(old - rollout) of the step: is_weight_max
+        ranges = {"ratio": policy_metrics.pop("ratio_range"),
+                  "is_weight": masked_range((old - rollout_logp).exp(), completion)}
         low, high = (loss_cfg.tis_low, loss_cfg.tis_high) if loss_cfg.correction != "icepop" else \
             (loss_cfg.icepop_low, loss_cfg.icepop_high)
-        _, out_of_bounds = rollout_correction(logp.detach(), rollout_logp, completion,
+        _, out_of_bounds = rollout_correction(old, rollout_logp, completion,
                                               "icepop" if loss_cfg.correction == "icepop" else "tis", low, high,
                                               loss_cfg.correction_level)
-        engine_metrics = {**mismatch_metrics(logp.detach(), rollout_logp, completion, out_of_bounds),
+        engine_metrics = {**mismatch_metrics(old, rollout_logp, completion, out_of_bounds),
                           "entropy": masked_mean(entropy, completion)}
         metrics = {"loss": loss.detach() * scale, "policy_loss": policy_loss.detach() * scale,
                    **{key: value.float() * share * scale for key, value in policy_metrics.items()
@@ -247,7 +254,9 @@ class GRPOObjective(RolloutObjective):
                    "policy_tokens": torch.tensor(global_tokens / self.data_ranks, dtype=torch.float32)}
         metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
         return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), expert_counts or {},
-                               [m.detach() * scale for m in mtp_losses])
+                               [m.detach() * scale for m in mtp_losses],
+                               token_mean_shares([mb.mtp_targets(d) for d in range(1, len(mtp_losses) + 1)],
+                                                 self.counts[3:], scale), ranges)
 
 
 
@@ -260,7 +269,8 @@ class GRPO(RolloutRunCommand):
     default_steps = GRPO_TRAIN["steps"]
     set_example = "--set grpo.group_size=8 --set grpo.async_rollouts=true"
     inputs = (Input("--model", "base_model", "the policy to train: an HF checkpoint directory with its tokenizer "
-                                             "files and chat template (e.g. runs/sft/hf)"),
+                                             "files and chat template, or a run directory (its hf/ export; "
+                                             "e.g. runs/sft)", checkpoint=True),
               Input("--env", "env", "the environment that grades the rollouts: math, code, or module.path:Class for "
                                     "your own"))
 

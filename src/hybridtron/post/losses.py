@@ -22,6 +22,7 @@ Shapes: B sequences, T completion tokens, V vocabulary, P prompts, G samples per
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -306,6 +307,13 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (torch.where(valid, values.detach().float(), 0.0).sum() / valid.sum().clamp(min=1)).detach()
 
 
+def masked_range(values: Tensor, mask: Tensor) -> Tensor:
+    """[min, max] over this call's valid tokens ([inf, -inf] if none, which any other range absorbs), detached."""
+    valid = mask != 0
+    values = values.detach().float()
+    return torch.stack([torch.where(valid, values, math.inf).min(), torch.where(valid, values, -math.inf).max()])
+
+
 def _aggregate(values: Tensor, mask: Tensor, global_count, aggregation: str) -> Tensor:
     if aggregation == "sequence_mean":
         return sequence_mean(values, mask, global_count)
@@ -324,11 +332,22 @@ def _check_shapes(reference_name: str, reference: Tensor, **others: Tensor | Non
 
 def _corrected_policy_loss(logp, old_logp, advantages, mask, rollout_logp, config: PolicyLossConfig,
                            dual_clip: float | None, rollout_name: str) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-token clipped loss times the rollout correction, and its metrics; shared by GRPO and MOPD."""
+    """Per-token clipped loss times the rollout correction, and its metrics; shared by GRPO and MOPD. Besides
+    clip_fraction (any clip, the dual one included): clip_fraction_low / clip_fraction_high, the tokens whose ratio
+    the lower (A < 0, r < 1 - eps_clip) / upper (A > 0, r > 1 + eps_clip_high) bound cut off (verl's
+    pg_clipfrac_lower counts the dual clip instead); approx_kl, the k3 estimate of KL(current || old) (`k3_kl`;
+    verl's ppo_kl is the k1 mean of old - current, which a batch can make negative); ratio_range [min, max]."""
     loss, was_clipped = clipped_policy_loss(logp, old_logp, advantages, config.eps_clip, config.eps_clip_high,
                                             dual_clip)
+    ratio = policy_ratio(logp.detach(), old_logp)
+    advantages = advantages.expand_as(ratio)
     metrics = {"clip_fraction": masked_mean(was_clipped.float(), mask),
-               "ratio_mean": masked_mean(policy_ratio(logp, old_logp), mask)}
+               "clip_fraction_low": masked_mean(((advantages < 0) & (ratio < 1 - config.eps_clip)).float(), mask),
+               "clip_fraction_high": masked_mean(((advantages > 0) & (ratio > 1 + config.eps_clip_high)).float(),
+                                                 mask),
+               "ratio_mean": masked_mean(ratio, mask),
+               "approx_kl": masked_mean(k3_kl(logp.detach(), old_logp), mask),
+               "ratio_range": masked_range(ratio, mask)}
     loss, correction_metrics = _rollout_corrected(loss, old_logp, mask, rollout_logp, config, rollout_name)
     return loss, {**metrics, **correction_metrics}
 
@@ -366,8 +385,9 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
     Everything is computed in fp32. logp must come from the logits divided by the rollout's sampling temperature,
     or the ratio compares two different distributions.
 
-    Metrics, detached 0-d tensors over this call's valid tokens: clip_fraction, ratio_mean, kl (with ref_logp),
-    entropy (with entropy), is_mismatch and is_out_of_bounds_share (with rollout_logp).
+    Metrics, detached 0-d tensors over this call's valid tokens: clip_fraction, clip_fraction_low,
+    clip_fraction_high, ratio_mean, approx_kl (to the old policy), kl (with ref_logp), entropy (with entropy),
+    is_mismatch and is_out_of_bounds_share (with rollout_logp); and ratio_range, [min, max] of the ratio.
 
     Departures from the GRPO paper (Shao et al. 2024): token-mean aggregation instead of the per-sequence mean
     (DAPO; the paper's is aggregation="sequence_mean"), asymmetric clip, the KL off by default (the paper uses
@@ -454,7 +474,8 @@ def mopd_loss(logp: Tensor, prox_logp: Tensor, teacher_logp: Tensor, mask: Tenso
     of the vocabulary per position). There is no ratio and no clip (the loss is not a policy gradient of the
     sampled token, and `logp` gets no gradient); c_t still weights (or IcePop drops) each position.
 
-    Metrics: clip_fraction and ratio_mean (sampled form), topk_reverse_kl (top-K form), is_mismatch and
+    Metrics: clip_fraction, clip_fraction_low / _high, ratio_mean, approx_kl and ratio_range ([min, max]) as in
+    `grpo_loss` (sampled form), topk_reverse_kl (top-K form), is_mismatch and
     is_out_of_bounds_share (with behav_logp), and reverse_kl = mean(log pi_prox - log pi_T) over valid tokens, the
     sampled estimate of KL(student || teacher) in either form (log it per domain with `masked_mean` on the
     domain's tokens).

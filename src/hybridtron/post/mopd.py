@@ -21,12 +21,16 @@ One run:
 3. Learning (`MOPDObjective`, the same `Trainer` as every stage): `hybridtron.post.losses.mopd_loss`, the
    asynchronous form: A_t = sg[log pi_T - log pi_prox], r_t = pi_theta / pi_prox clipped to [1 - 0.2, 1 + 0.28],
    c_t = pi_prox / pi_behav masked by IcePop in [0.2, 5] (or truncated: `mopd.correction = "tis"`), token-mean
-   over the step's global count of completion tokens, as GRPO. One policy step per batch, as GRPO: pi_prox is the
-   learner at the start of the step (r = 1, the clip inactive), and what pi_behav differs by is the engine's
-   numerics and, asynchronously, one step of staleness. The MTP loss stays on (`mopd.mtp_loss_weight`).
+   over the step's global count of completion tokens, as GRPO. One policy step per batch by default, as GRPO:
+   pi_prox is the learner at the start of the step (r = 1, the clip inactive), and what pi_behav differs by is the
+   engine's numerics and, asynchronously, one step of staleness; with `mopd.global_batch` / `mopd.epochs` (the RL
+   core's mini-batches, as GRPO's) pi_prox is the learner before the rollout batch's first update, fixed over its
+   steps. The MTP loss stays on (`mopd.mtp_loss_weight`).
    `mopd.kl_top_k` = K > 0 (not the report's) trains instead the reverse KL over the teacher's K most likely
    tokens at every position of the student's samples (`topk_reverse_kl`: K + 1 outcomes, the rest of the
-   vocabulary one), a dense signal where the sampled estimate sees one token a position.
+   vocabulary one), a dense signal where the sampled estimate sees one token a position. The student's log-probs
+   (with kl_top_k those of the teacher's K tokens too), like the teachers', come `mopd.logprob_chunk` rows at a
+   time through lm_head, never as [tokens, vocab] logits (hybridtron.post.rl.objective).
 
 The three roles run on the `RolePipeline` of hybridtron.post.rl.roles, with the RL core's learner end
 (`hybridtron.post.rl.batches.RolloutBatches`): synchronous by default (`mopd.async_rollouts = false`: inline, batch
@@ -34,13 +38,15 @@ n + 1 sampled after step n's update); asynchronous with `mopd.staleness` = 1 (ba
 step n trains, with the weights step n started from) on separate processes or Ray actors (`mopd.rollout_backend`
 = process | ray; on a Ray cluster `mopd.rollout_ray_resource` / `mopd.teacher_ray_resource` name the custom
 resource of the machine each actor must run on: see hybridtron.post.rl.roles). The learner's weights go to the
-rollout role after every optimizer step; the teachers are frozen.
+rollout role after every rollout batch (every optimizer step, unless `mopd.global_batch` / `mopd.epochs` train a
+batch over several); the teachers are frozen.
 
 Logged every step: loss, policy_loss, mtp_loss_<d>, reverse_kl (the sampled KL(student || teacher)) overall and
 per domain (`reverse_kl/<domain>`: each domain against its own teacher), with kl_top_k topk_reverse_kl overall and
-per domain, teacher_logp, student_logp, entropy, clip_fraction, is_mismatch, is_out_of_bounds_share, reward_mean
-and response_length per domain, rollout tokens/s, MTP acceptance, policy_staleness; held-out greedy pass@1 per
-domain (`pass_at_1/<domain>`, and their mean) at step 0, every `mopd.eval_every` steps and at the end.
+per domain, teacher_logp, student_logp, entropy, clip_fraction (_low, _high), ratio_min / _max, approx_kl,
+is_mismatch, is_out_of_bounds_share, reward_mean and response_length per domain, rollout tokens/s, MTP acceptance,
+policy_staleness; held-out greedy pass@1 per domain (`pass_at_1/<domain>`, and their mean) at step 0, every
+`mopd.eval_every` steps and at the end.
 
 The run directory (the run scaffold's rules: hybridtron.train.run):
 
@@ -65,23 +71,24 @@ import torch
 
 from hybridtron.config import ModelConfig
 from hybridtron.dist.config import DistConfig
-from hybridtron.post.losses import MOPDLossConfig, masked_mean, mopd_loss, token_entropy, topk_reverse_kl
+from hybridtron.post.losses import MOPDLossConfig, masked_mean, masked_range, mopd_loss, topk_reverse_kl
 from hybridtron.post.mixture import MixtureEnv, MixtureRolloutRole, domain_quotas
 from hybridtron.post.mopd_warmup import WARMUP_DATA, warmup_conversations, write_once
 from hybridtron.post.rl.command import RolloutRunCommand
 from hybridtron.post.rl.config import RESUMABLE_ROLLOUT_FIELDS, RolloutConfig
+from hybridtron.post.rl.engines import ENGINES
+from hybridtron.post.rl.engines.vllm import check_vllm_teacher
 from hybridtron.post.rl.evaluation import DomainAccuracy
-from hybridtron.post.rl.objective import RolloutObjective, sampled_logprobs
+from hybridtron.post.rl.objective import RolloutObjective
 from hybridtron.post.rl.roles import RoleSpec
 from hybridtron.post.sft import COMMAND as SFT_COMMAND
 from hybridtron.post.sft import SFT_TRAIN, SFTConfig, SFTRunConfig
 from hybridtron.post.sft import check_layout as check_sft_layout
-from hybridtron.post.sft import sft_loss
 from hybridtron.post.teachers import (TEACHER_SCORE, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGP, TeacherPanel,
-                                      TeacherScoringRole, check_checkpoint)
+                                      TeacherScoringRole)
 from hybridtron.train.config import SectionedConfig, TrainConfig
 from hybridtron.train.monitor.config import MonitorConfig
-from hybridtron.train.objectives import ObjectiveOutput
+from hybridtron.train.objectives import ObjectiveOutput, token_mean_shares
 from hybridtron.train.run import (Input, complete_steps, export_model, has_checkpoints, is_main_process,
                                   restarted_by_torchrun, unfinished_run)
 
@@ -96,15 +103,16 @@ class MOPDConfig(RolloutConfig):
     scoring, MOPD's loss settings and the warmup."""
 
     SECTION = "mopd"
-    RESUMABLE = (*RESUMABLE_ROLLOUT_FIELDS, "teacher_batch_size", "teacher_replicas")
+    RESUMABLE = (*RESUMABLE_ROLLOUT_FIELDS, "teacher_batch_size", "teacher_replicas", "teacher_engine")
 
     # prompts: each environment's domain picks its teacher
     envs: tuple[str, ...] = ("math", "code")  # environments (names, or module.path:Class) whose tasks are the prompts
     domain_weights: tuple[float, ...] = ()  # lambda_i: each environment's share of a step's prompts; empty = equal
     env_levels: tuple[str, ...] = ()  # per environment, ENV=LEVELS over `levels`: e.g. math=1-2,code=1/3
-    prompts_per_step: int = 16  # prompts per optimizer step, one rollout each (at least one per domain)
+    prompts_per_step: int = 16  # prompts per rollout batch, one rollout each (at least one per domain)
     # teacher scoring
     teacher_batch_size: int = 16  # rollouts per teacher forward
+    teacher_engine: str = "hybridtron"  # what scores: hybridtron (in the role) or vllm (a process a teacher; T = 1)
     teacher_replicas: int = 1  # async: teacher-scoring processes (or actors), each scoring a share of the rollouts
     rollout_ray_resource: str = ""  # ray: a custom resource the rollout actor needs (places it on a machine); "" = any
     teacher_ray_resource: str = ""  # ray: the same for the teacher-scoring actor (e.g. "teachers")
@@ -187,6 +195,8 @@ class MOPDConfig(RolloutConfig):
         if self.prompts_per_step < len(self.envs):
             raise ValueError(f"mopd.prompts_per_step ({self.prompts_per_step}) must be at least the number of "
                              f"environments ({len(self.envs)}: {', '.join(self.envs)}): every domain in every step")
+        if self.teacher_engine not in ENGINES:
+            raise ValueError(f"mopd.teacher_engine must be one of {', '.join(ENGINES)}, got {self.teacher_engine!r}")
         if self.warmup_data not in WARMUP_DATA:
             raise ValueError(f"mopd.warmup_data must be one of {', '.join(WARMUP_DATA)}, got {self.warmup_data!r}")
         if not self.warmup_lr > 0:
@@ -253,35 +263,38 @@ class MOPDObjective(RolloutObjective):
         return torch.tensor([d == domain for d in mb.domains], dtype=torch.bool, device=mb.labels.device)
 
     def loss_from_outputs(self, model, outputs, mb, expert_counts=None):
-        """The MOPD loss and metrics of a micro-batch from the student's (logits, *MTP logits) (`__call__` runs the
-        forward first; a pipeline's last stage calls it, and its expert counts are then the pipeline's)."""
+        """The MOPD loss and metrics of a micro-batch from the student's outputs (`__call__` runs the forward
+        first; a pipeline's last stage calls it with (logits, *MTP logits), and its expert counts are then the
+        pipeline's)."""
         cfg, loss_cfg = self.config, self.loss_config
         if TEACHER_SCORE not in mb.scores:
             raise ValueError("MOPD micro-batch without teacher log-probs: the teacher-scoring role did not run")
         if loss_cfg.kl_top_k and TEACHER_TOPK_IDS not in mb.scores:
             raise ValueError(f"mopd.kl_top_k={loss_cfg.kl_top_k}, but the teacher-scoring role sent no top-K tokens "
                              "(it was built with top_k=0)")
-        logits, *mtp_logits = outputs
-        logp = sampled_logprobs(logits, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p)
+        # the student's log-probs of the teacher's top K (with kl_top_k): the full-vocabulary ones, unfiltered
+        scored = self.scores(outputs, mb, entropy=True,
+                             given_ids=mb.scores[TEACHER_TOPK_IDS] if loss_cfg.kl_top_k else None)
+        logp = scored.logp
         mask, teacher = mb.completion_mask, mb.scores[TEACHER_SCORE]
         total_tokens, total_sequences = self.counts[0], self.counts[1]
         divisor = total_sequences if loss_cfg.aggregation == "sequence_mean" else total_tokens
         topk_kl = None
         if loss_cfg.kl_top_k:
-            scaled = logits.float() / cfg.temperature
-            student_topk = scaled.gather(-1, mb.scores[TEACHER_TOPK_IDS].long()) - scaled.logsumexp(-1, keepdim=True)
-            topk_kl = topk_reverse_kl(student_topk, mb.scores[TEACHER_TOPK_LOGP])
-        # one policy step per batch: the proximal policy is the learner before this step's update, i.e. now
-        policy_loss, policy_metrics = mopd_loss(logp, logp.detach(), teacher, mask, divisor, loss_cfg,
+            topk_kl = topk_reverse_kl(scored.given_logp, mb.scores[TEACHER_TOPK_LOGP])
+        # the proximal policy: the learner before the rollout batch's first update (fixed over its mini-batches),
+        # or with one step a batch the learner before this step's update, i.e. now
+        prox = logp.detach() if mb.old_logprobs is None else mb.old_logprobs
+        policy_loss, policy_metrics = mopd_loss(logp, prox, teacher, mask, divisor, loss_cfg,
                                                 behav_logp=mb.rollout_logprobs, topk_kl=topk_kl)
+        ranges = {"ratio": policy_metrics.pop("ratio_range")} if "ratio_range" in policy_metrics else {}
+        ranges["is_weight"] = masked_range((prox - mb.rollout_logprobs).exp(), mask)  # c's extremes: is_weight_max
         loss = policy_loss
         depth_counts = self.counts[2 + len(self.domains):]
-        mtp_losses = [sft_loss(depth_logits, mb.mtp_targets(depth), depth_counts[depth - 1])
-                      for depth, depth_logits in enumerate(mtp_logits[:self.mtp_depths], start=1)]
+        mtp_losses = self.mtp_losses(outputs, mb, depth_counts)
         if mtp_losses:
             loss = loss + cfg.mtp_loss_weight * torch.stack(mtp_losses).mean()
-        with torch.no_grad():
-            entropy = token_entropy(logits.float() / cfg.temperature)
+        entropy = scored.entropy.detach()
         # the trainer logs the mean over micro-batches: each share scaled by their number
         scale, share = self.micro_batches, float(mask.sum()) / total_tokens
         per_token = {"teacher_logp": teacher, "student_logp": logp.detach(), "entropy": entropy}
@@ -301,7 +314,9 @@ class MOPDObjective(RolloutObjective):
                 metrics[f"{key}/{domain}"] = value * scale
         metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
         return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), expert_counts or {},
-                               [m.detach() * scale for m in mtp_losses])
+                               [m.detach() * scale for m in mtp_losses],
+                               token_mean_shares([mb.mtp_targets(d) for d in range(1, len(mtp_losses) + 1)],
+                                                 depth_counts, scale), ranges)
 
 
 
@@ -356,7 +371,8 @@ class MOPD(RolloutRunCommand):
     default_steps = MOPD_TRAIN["steps"]
     set_example = "--set mopd.warmup_steps=0 --set mopd.async_rollouts=true"
     inputs = (Input("--student", "student", "the student: an HF checkpoint directory with its tokenizer files and "
-                                            "chat template (the RLVR student, e.g. runs/grpo/hf)"),
+                                            "chat template, or a run directory (its hf/ export; the RLVR "
+                                            "student, e.g. runs/grpo)", checkpoint=True),
               Input("--teachers", "teachers", "the teacher of each domain, DOMAIN=DIR pairs separated by commas, "
                                               "e.g. math=runs/math_teacher/hf,code=runs/code_teacher/hf (the domains "
                                               "are the environments' of mopd.envs; required unless --general gives "
@@ -366,7 +382,7 @@ class MOPD(RolloutRunCommand):
                     optional=True))
 
     def given_inputs(self, args):
-        given = {"student": args.student, "teachers": None, "general": args.general}
+        given = {**super().given_inputs(args), "teachers": None}  # --student resolved as every --model is
         if args.teachers is not None or args.general is not None:
             panel = TeacherPanel.parse(args.teachers, args.general)
             given["teachers"], given["general"] = dict(panel.teachers), panel.general
@@ -381,7 +397,6 @@ class MOPD(RolloutRunCommand):
     def default_config(self, args, inputs):
         if inputs["teachers"] is None:  # neither --teachers nor --general: the panel's parser says what is needed
             TeacherPanel.parse(None, None)
-        check_checkpoint(inputs["student"], "--student ")
         return MOPDRunConfig(model=ModelConfig.from_hf(inputs["student"]), **inputs)
 
     def has_started(self, out):
@@ -427,6 +442,8 @@ class MOPD(RolloutRunCommand):
                 raise ValueError(f"{flag}{directory}: its tokenizer.json is "
                                  f"{'missing' if not theirs.is_file() else 'not'} the student's ({ours}); teachers "
                                  "must share the student's tokenizer (make them from the same base)")
+            if mopd.teacher_engine == "vllm":
+                check_vllm_teacher("mopd", mopd.temperature, teacher, directory)
         try:
             with mopd.mixture() as mixture:
                 domains = mixture.domains
@@ -447,7 +464,9 @@ class MOPD(RolloutRunCommand):
                          resources=placement(mopd.rollout_ray_resource), replicas=mopd.rollout_replicas),
                 RoleSpec(TeacherScoringRole, dict(teachers=dict(config.teachers), general=config.general,
                                                   temperature=mopd.temperature, batch_size=mopd.teacher_batch_size,
-                                                  threads=threads, top_k=mopd.kl_top_k, share=share),
+                                                  threads=threads, top_k=mopd.kl_top_k,
+                                                  logprob_chunk=mopd.logprob_chunk, engine=mopd.teacher_engine,
+                                                  share=share),
                          resources=placement(mopd.teacher_ray_resource), replicas=mopd.teacher_replicas)]
 
     def objective(self, config, parallel):

@@ -4,10 +4,11 @@ learner holds no copy of the reference under any layout.
 
 `ReferenceScoringRole` (a `hybridtron.post.rl.rollout.ScoringRole`) loads the --model checkpoint GRPO starts from and adds
 `Rollout.scores["reference"]` [C]: log pi_ref(y_t | s_t) at the rollout's temperature with its top-k / top-p
-filter (`hybridtron.post.rl.objective.sampled_logprobs`, as the learner scores the policy), with the rollout's experts replayed in every
-backbone MoE layer under routing replay (the learner's forward replays them too, so the k3 KL compares the two
-models on the same routes). `hybridtron.post.grpo.GRPOObjective` reads the scores for its KL (`grpo.kl_coef` > 0,
-or logged with `grpo.reference_kl`).
+filter (`hybridtron.post.rl.objective.token_scores`, as the learner scores the policy: `grpo.logprob_chunk` rows at a
+time through lm_head, never the [tokens, vocab] logits), with the rollout's experts replayed in every backbone MoE
+layer under routing replay (the learner's forward replays them too, so the k3 KL compares the two models on the
+same routes). `hybridtron.post.grpo.GRPOObjective` reads the scores for its KL (`grpo.kl_coef` > 0, or logged with
+`grpo.reference_kl`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 from hybridtron.checkpoint import load_pretrained
 from hybridtron.post.rl.batches import rollout_rows
-from hybridtron.post.rl.objective import sampled_logprobs
+from hybridtron.post.rl.config import LOGPROB_CHUNK
+from hybridtron.post.rl.objective import head_forward, token_scores
 from hybridtron.post.rl.rollout import Rollout, ScoringRole, completion_scores
 
 REFERENCE_SCORE = "reference"  # the name of the reference's per-token log-probs in Rollout.scores
@@ -24,12 +26,13 @@ REFERENCE_ROLE = "reference"
 
 
 def score_reference(model, rollouts: list[Rollout], *, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                    routing_replay: bool = True) -> None:
-    """`scores["reference"]` of `rollouts` under `model` (one forward, no gradient)."""
+                    routing_replay: bool = True, chunk: int = LOGPROB_CHUNK) -> None:
+    """`scores["reference"]` of `rollouts` under `model` (one forward, no gradient; `chunk` rows per block)."""
     rows = rollout_rows(rollouts, model.config.pad_token_id or 0)
     with torch.no_grad():
-        logits = model(rows.input_ids, expert_ids=rows.expert_ids if routing_replay else None, mtp=False).logits
-        logp = sampled_logprobs(logits, rows.labels, temperature, top_k, top_p)
+        head, _ = head_forward(model, rows.input_ids, expert_ids=rows.expert_ids if routing_replay else None,
+                               mtp=False)
+        logp = token_scores(head, rows.labels, temperature, top_k, top_p, chunk=chunk).logp
     completion_scores(rollouts, REFERENCE_SCORE, logp)
 
 
@@ -54,4 +57,4 @@ class ReferenceScoringRole(ScoringRole):
     def score(self, model, rollouts: list[Rollout]) -> None:
         cfg = self.config
         score_reference(model, rollouts, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                        routing_replay=cfg.routing_replay)
+                        routing_replay=cfg.routing_replay, chunk=cfg.logprob_chunk)

@@ -60,8 +60,8 @@ from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy
 from hybridtron.train.config import SectionedConfig, TrainConfig
 from hybridtron.train.evaluate import HeldOutLoss
 from hybridtron.train.monitor.config import MonitorConfig
-from hybridtron.train.objectives import ObjectiveOutput, router_counts, target_counts, token_stage_inputs, \
-    window_targets
+from hybridtron.train.objectives import ObjectiveOutput, router_counts, target_counts, token_mean_shares, \
+    token_stage_inputs, window_targets
 from hybridtron.train.run import BuiltRun, Input, RunCommand, assemble_trainer, prepare_process, start_parallel
 
 # [train] defaults of SFT, over TrainConfig's (pretraining's), measured on the quickstart model (3.7M parameters;
@@ -184,7 +184,8 @@ class SFTObjective:
         length = logits.shape[1]  # under CP `labels_BT` runs past the share (window_targets)
         targets = window_targets(labels_BT, 0, length)
         lm_loss = sft_loss(logits, targets, self.counts[0])
-        mtp_losses = [sft_loss(depth_logits, window_targets(labels_BT, depth, length), self.counts[depth])
+        depth_targets = [window_targets(labels_BT, depth, length) for depth in range(1, len(mtp_logits) + 1)]
+        mtp_losses = [sft_loss(depth_logits, depth_targets[depth - 1], self.counts[depth])
                       for depth, depth_logits in enumerate(mtp_logits, start=1)]
         loss = lm_loss
         if mtp_losses:
@@ -193,7 +194,8 @@ class SFTObjective:
         trained = (targets != IGNORE_INDEX).sum().double()
         metrics = {"loss": loss.detach() * scale, "lm_loss": lm_loss.detach() * scale,
                    "trained_tokens": trained * scale}
-        return ObjectiveOutput(loss, metrics, targets.numel(), mtp_losses=[m.detach() * scale for m in mtp_losses])
+        return ObjectiveOutput(loss, metrics, targets.numel(), mtp_losses=[m.detach() * scale for m in mtp_losses],
+                               mtp_shares=token_mean_shares(depth_targets, self.counts[1:], scale))
 
 
 # ------------------------------------------------------------------------------------------------- data
@@ -253,7 +255,8 @@ class SFT(RunCommand):
     set_example = "--set sft.train_on_thinking=true --set train.lr=1e-4"
     quiet_help = "no data summary and no progress bar"
     inputs = (Input("--model", "base_model", "the model to fine-tune: an HF checkpoint directory with its tokenizer "
-                                             "files (e.g. runs/quickstart/hf)"),
+                                             "files, or a run directory (its hf/ export; e.g. runs/quickstart)",
+                    checkpoint=True),
               Input("--data", "data", "conversations: a .jsonl file ({\"messages\": [...]} a line), a directory of "
                                       ".jsonl files, or env:NAME for an environment's worked solutions (env:math, "
                                       "env:code)"))

@@ -15,7 +15,8 @@ scores the student's rollouts.
 The teachers must share the student's tokenizer (they are made from the same base: docs/post-training.md's teacher recipes,
 the math_teacher and code_teacher stages of `hybridtron pipeline`): their log-probs are of the student's token ids.
 The log-probs are taken at the rollouts' sampling temperature (1 by default), without the top-k / top-p filters:
-a filtered teacher would give -inf to any token outside its nucleus.
+a filtered teacher would give -inf to any token outside its nucleus. They are computed `logprob_chunk` rows at a time
+through lm_head (`hybridtron.post.rl.objective.token_scores`), never as [tokens, vocab] logits.
 
 - `teacher_answers`: a teacher's own answers to training tasks, the data of a warmup on the teacher's data (the
   mopd command's `mopd.warmup_data = "teacher"`, the pipeline's `[mopd_warmup] teacher_samples`).
@@ -32,7 +33,8 @@ from hybridtron.checkpoint import load_pretrained
 from hybridtron.data.chat import load_chat_tokenizer
 from hybridtron.eval.tasks import evaluate_env
 from hybridtron.post.rl.batches import rollout_rows
-from hybridtron.post.rl.objective import sampled_logprobs
+from hybridtron.post.rl.config import LOGPROB_CHUNK
+from hybridtron.post.rl.objective import head_forward, token_scores
 from hybridtron.post.rl.rollout import Rollout, ScoringRole, completion_scores
 
 
@@ -136,21 +138,30 @@ def check_checkpoint(directory: str, flag: str) -> None:
 class TeacherScoringRole(ScoringRole):
     """Adds `scores["teacher"]` (and with `top_k` > 0 the teacher's top-K tokens) to every rollout of a batch (see
     the module docstring), each scored by the teacher of its domain. Built from plain values: the panel's `teachers`
-    and `general`, the rollouts' `temperature`, `batch_size` rows per forward, and `top_k`; `share`: see
-    `hybridtron.post.rl.rollout.ScoringRole`."""
+    and `general`, the rollouts' `temperature`, `batch_size` rows per forward, `top_k`, and `logprob_chunk` rows per
+    block of lm_head; `engine`: "hybridtron" (the teachers in this process) or "vllm" (each in a vLLM process, at
+    temperature 1: hybridtron.post.rl.engines.vllm.VLLMTeacher), `section` naming the setting in its errors;
+    `share`: see `hybridtron.post.rl.rollout.ScoringRole`."""
 
     name = TEACHER_ROLE
     seconds_key = "teacher_seconds"
 
     def __init__(self, *, teachers: dict[str, str], general: str | None, temperature: float = 1.0,
-                 batch_size: int = 16, threads: int = 0, top_k: int = 0, share=None):
+                 batch_size: int = 16, threads: int = 0, top_k: int = 0, logprob_chunk: int = LOGPROB_CHUNK,
+                 engine: str = "hybridtron", section: str = "mopd", share=None):
         super().__init__(batch_size=batch_size, share=share)
         if threads:
             torch.set_num_threads(threads)
         self.panel = TeacherPanel(dict(teachers), general)
-        self.temperature, self.top_k = temperature, top_k
-        self.models = {directory: load_pretrained(directory, dtype=torch.float32).eval().requires_grad_(False)
-                       for directory in self.panel.directories()}
+        self.temperature, self.top_k, self.logprob_chunk = temperature, top_k, logprob_chunk
+        if engine == "vllm":  # each teacher a vLLM process (hybridtron.post.rl.engines.vllm.VLLMTeacher)
+            from hybridtron.post.rl.engines.vllm import VLLMTeacher
+
+            self.models = {directory: VLLMTeacher(directory, section=section, top_k=top_k)
+                           for directory in self.panel.directories()}
+        else:
+            self.models = {directory: load_pretrained(directory, dtype=torch.float32).eval().requires_grad_(False)
+                           for directory in self.panel.directories()}
 
     def models_for(self, rollouts: list[Rollout]):
         by_teacher: dict[str, list[Rollout]] = {}
@@ -161,11 +172,21 @@ class TeacherScoringRole(ScoringRole):
     def score(self, model, rollouts: list[Rollout]) -> None:
         """The teacher's log-prob of each completion token, into each rollout's scores (float32 [C]); with top_k, its
         top-K tokens at each completion position (int32 [C, K]) and their log-probs (float32 [C, K])."""
+        if not isinstance(model, torch.nn.Module):  # a teacher on vLLM
+            for rollout, (logp, top_ids, top_logp) in zip(rollouts, model.score(rollouts)):
+                rollout.scores[TEACHER_SCORE] = logp
+                if self.top_k:
+                    rollout.scores[TEACHER_TOPK_IDS], rollout.scores[TEACHER_TOPK_LOGP] = top_ids, top_logp
+            return
         rows = rollout_rows(rollouts, model.config.pad_token_id or 0)
-        logits = model(rows.input_ids, mtp=False).logits
-        completion_scores(rollouts, TEACHER_SCORE, sampled_logprobs(logits, rows.labels, self.temperature))
+        head, _ = head_forward(model, rows.input_ids, mtp=False)
+        scored = token_scores(head, rows.labels, self.temperature, top=self.top_k, chunk=self.logprob_chunk)
+        completion_scores(rollouts, TEACHER_SCORE, scored.logp)
         if self.top_k:
-            top_logp, top_ids = torch.log_softmax(logits.float() / self.temperature, dim=-1).topk(
-                min(self.top_k, logits.shape[-1]), dim=-1)
-            completion_scores(rollouts, TEACHER_TOPK_IDS, top_ids.to(torch.int32))
-            completion_scores(rollouts, TEACHER_TOPK_LOGP, top_logp)
+            completion_scores(rollouts, TEACHER_TOPK_IDS, scored.top_ids.to(torch.int32))
+            completion_scores(rollouts, TEACHER_TOPK_LOGP, scored.top_logp)
+
+    def close(self) -> None:
+        for model in self.models.values():
+            if not isinstance(model, torch.nn.Module):
+                model.close()

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from hybridtron.checkpoint.hf import resolve_checkpoint_dir
 from hybridtron.errors import RunInterrupted
 from hybridtron.recipe.evaluation import eval_set, evaluate_model, format_row
 from hybridtron.recipe.render import format_table, render_html, summarize
@@ -77,8 +78,8 @@ def resolve_config(args) -> PipelineConfig:
     config = config_from_file(source, args.preset, in_out=not args.config) if source else \
         preset_config(args.preset or "tiny")
     if getattr(args, "base", None):
-        config = apply_changes(config, {"pipeline": {"base_model": args.base}, "pretrain": {"enabled": False}},
-                               "--base")
+        base = str(resolve_checkpoint_dir(args.base, "--base")[0])  # a run directory: its hf/ export
+        config = apply_changes(config, {"pipeline": {"base_model": base}, "pretrain": {"enabled": False}}, "--base")
     if args.overrides:
         overrides = parse_set(args.overrides)
         if "preset" in overrides.get("pipeline", {}):

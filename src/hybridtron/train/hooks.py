@@ -130,8 +130,9 @@ def format_duration(seconds: float) -> str:
 
 class ProgressBar(Hook):
     """The step, the objective's headline metric (pretraining: `ce`, the next-token cross entropy, as the
-    validation loss is), the validation value, tokens/s and the ETA. On a terminal: one line redrawn in place; into
-    a file or a pipe: a plain line every `log_every` steps and at the end, so logs stay readable."""
+    validation loss is), the validation value, the step's ranges (RL: `ratio 0.91-1.12`), tokens/s and the ETA. On
+    a terminal: one line redrawn in place; into a file or a pipe: a plain line every `log_every` steps and at the
+    end, so logs stay readable."""
 
     def __init__(self, stream=None, width: int = 28, log_every: int = 10):
         stream = sys.stderr if stream is None else stream  # the stderr of the moment, which may be redirected
@@ -152,7 +153,8 @@ class ProgressBar(Hook):
         key, label = trainer.objective.headline
         self.last_val = stats.evaluation.get("val_loss", self.last_val)
         val = f" val {label} {self.last_val:.3f}" if self.last_val is not None else ""
-        text = (f"{trainer.step}/{total} {label} {stats.losses.get(key, math.nan):.3f}{val} "
+        ranges = "".join(f" {name} {low:.2f}-{high:.2f}" for name, (low, high) in stats.ranges.items())
+        text = (f"{trainer.step}/{total} {label} {stats.losses.get(key, math.nan):.3f}{val}{ranges} "
                 f"{stats.tokens / max(stats.seconds, 1e-9):.0f} tok/s ETA {format_duration(eta)}")
         if self.interactive:
             filled = int(self.width * trainer.step / max(total, 1))

@@ -43,7 +43,7 @@ from hybridtron.checkpoint.dcp import CheckpointManager, saved_keys, step_of
 from hybridtron.dist.expert_parallel import dropped_shares
 from hybridtron.dist.parallelize import set_output_reduce_dtype
 from hybridtron.dist.state import checkpoint_state
-from hybridtron.dist.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics
+from hybridtron.dist.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics, step_ranges
 from hybridtron.errors import RunInterrupted
 from hybridtron.numerics.grad_accum import flush_main_grads, set_output_accumulation
 from hybridtron.numerics.linear import load_sr_generator_states, sr_generator_states
@@ -53,7 +53,8 @@ from hybridtron.train.monitor import ANNEAL, RUN_EVENT, Decision, NoMonitor
 from hybridtron.train.objectives import ObjectiveOutput
 from hybridtron.train.optimizers import build_optimizer, set_learning_rate
 from hybridtron.train.schedule import WSDSchedule
-from hybridtron.train.stats import StepStats, group_norms, parameter_group
+from hybridtron.train.stats import (StepStats, depth_mean, group_norms, merge_ranges, parameter_group,
+                                    range_values)
 
 
 class Trainer:
@@ -135,16 +136,22 @@ class Trainer:
         self.objective.begin_step(micro_batches)
         outputs, tokens, counts = self.run_micro_batches(micro_batches)
         flush_main_grads(self.model)  # an output layer accumulating in grad_accum_dtype hands its gradient over
-        # each micro-batch's metrics and MTP depth losses (keyed by depth), averaged over the step's micro-batches
-        shares = [{**out.metrics, **dict(enumerate(out.mtp_losses, start=1))} for out in outputs]
+        # each micro-batch's metrics and MTP depth losses and shares (keyed by (kind, depth)), averaged over the
+        # step's micro-batches
+        shares = [{**out.metrics, **{("loss", d): loss for d, loss in enumerate(out.mtp_losses, start=1)},
+                   **{("share", d): share for d, share in enumerate(out.mtp_shares, start=1)}} for out in outputs]
         if self.parallel is None:
             values = dict(zip(shares[0], torch.stack([torch.stack([share[key] for share in shares]).mean()
                                                       for key in shares[0]]).tolist()))
         else:  # this rank's shares -> the global batch's values, on every rank
             values, tokens = step_metrics(self.parallel, shares, tokens)
-        mtp_losses = [values.pop(depth) for depth in sorted(key for key in values if isinstance(key, int))]
+        depths = sorted(depth for kind, depth in (key for key in values if isinstance(key, tuple)) if kind == "loss")
+        mtp_losses = [depth_mean(values.pop(("loss", d)), values.pop(("share", d))) for d in depths]
+        ranges = merge_ranges([out.ranges for out in outputs])  # each statistic's [min, max] over the step
+        if self.parallel is not None:
+            ranges = step_ranges(self.parallel, ranges)
         stats = StepStats(step=step, lr=self.schedule.lr(self.step), losses=values, mtp_losses=mtp_losses,
-                          tokens=tokens, expert_counts=counts, seconds=started)
+                          tokens=tokens, expert_counts=counts, seconds=started, ranges=range_values(ranges))
         if self.parallel is not None:  # capacity-limited expert parallelism: the share of rows it dropped
             stats.signals.update(self.parallel.merge_over_stages(dropped_shares(self.model,
                                                                                 self.parallel.group("tokens"))))

@@ -14,9 +14,9 @@ A batch source hands the trainer one step's micro-batches at a time and has a `s
 a resumed run reads exactly the batches it would have read, and a rollback can skip a window of them.
 
 Pretraining (`PretrainObjective`, `LoaderBatches`): loss = CE + mtp_loss_weight x mean over the MTP depths of
-their CE (hybridtron.model.lm), on packed rows of the data mixture. Its micro-batches, and SFT's, are
-`TokenBatch`es (hybridtron.data.batch): ids, labels and, with a document mask, seq_idx, which the objective hands
-the model with the ids (and, under PP, the stages: `token_stage_inputs`).
+their CE (hybridtron.model.lm; a depth without a target adds a zero), on packed rows of the data mixture. Its
+micro-batches, and SFT's, are `TokenBatch`es (hybridtron.data.batch): ids, labels and, with a document mask,
+seq_idx, which the objective hands the model with the ids (and, under PP, the stages: `token_stage_inputs`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from hybridtron.data.batch import TokenBatch, as_token_batch
 from hybridtron.dist.pipeline import MicroBatchInputs
-from hybridtron.model.lm import cross_entropy, mtp_targets
+from hybridtron.model.lm import cross_entropy, mean_or_zero, mtp_targets
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.ops.linear_cross_entropy import linear_cross_entropy
 
@@ -41,6 +41,13 @@ class ObjectiveOutput:
     tokens: int  # tokens this micro-batch trained on
     expert_counts: dict[str, torch.Tensor] = field(default_factory=dict)  # router name -> tokens per expert
     mtp_losses: list[torch.Tensor] = field(default_factory=list)  # detached, MTP depth d's loss at index d - 1
+    # detached, per depth: this micro-batch's share of the step's depth-d statistic, scaled as `mtp_losses`; the
+    # trainer logs depth d's loss as sum(losses) / sum(shares) over the micro-batches and the data-parallel ranks,
+    # and no loss at all for a depth whose shares sum to 0 (the step had no target there: `StepStats.mtp_losses`)
+    mtp_shares: list[torch.Tensor] = field(default_factory=list)
+    # detached [min, max] of a per-token statistic over this micro-batch (RL: the policy ratio); the trainer keeps
+    # the extremes over the step (`StepStats.ranges`)
+    ranges: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Objective(Protocol):
@@ -89,6 +96,15 @@ def window_targets(labels_BT: torch.Tensor, depth: int, length: int) -> torch.Te
     may run past them: a context-parallel share's labels carry the next share's first ones, which its last
     positions' MTP depths are scored against."""
     return (labels_BT if depth == 0 else mtp_targets(labels_BT, depth))[:, :length]
+
+
+def token_mean_shares(depth_targets: list[torch.Tensor], step_counts: list[float], scale: float
+                      ) -> list[torch.Tensor]:
+    """`ObjectiveOutput.mtp_shares` of a token-mean objective (SFT, GRPO, MOPD: each depth's loss a sum over its
+    targets / the step's count of them, `step_counts`): each depth's targets here / the step's, 0 where the step has
+    none, times `scale` as the metrics are."""
+    return [(targets != IGNORE_INDEX).sum() * (scale / count if count else 0.0)
+            for targets, count in zip(depth_targets, step_counts)]
 
 
 def target_counts(labels_BT: torch.Tensor, depths: int, length: int | None = None) -> torch.Tensor:
@@ -154,13 +170,15 @@ class PretrainObjective:
             out = model(batch.input_ids, **batch.model_inputs())
             return self.loss_from_outputs(model, (out.logits, *out.mtp_logits), batch, router_counts(model, out))
         out = model(batch.input_ids, logits=False, **batch.model_inputs())
-        lm_loss, *mtp_losses = [
-            linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX)
-            for hidden, targets in self._targets([out.hidden, *out.mtp_hidden], batch.labels)]
-        loss, metrics, depth_losses = self._combine(model, lm_loss, mtp_losses, batch.labels,
-                                                    batch.input_ids.shape[1])
+
+        def head_cross_entropy(hidden, targets):
+            return linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX)
+
+        lm_loss, *mtp_losses = self._losses(head_cross_entropy, [out.hidden, *out.mtp_hidden], batch.labels)
+        loss, metrics, depth_losses, shares = self._combine(model, lm_loss, mtp_losses, batch.labels,
+                                                            batch.input_ids.shape[1])
         return ObjectiveOutput(loss / self.micro_batches, metrics, batch.input_ids.numel(),
-                               router_counts(model, out), depth_losses)
+                               router_counts(model, out), depth_losses, shares)
 
     stage_inputs = staticmethod(token_stage_inputs)  # under PP: what the stages read
 
@@ -169,28 +187,34 @@ class PretrainObjective:
         last stage computes them: the loss `HybridLM.forward` computes, shared out as `__call__` does. Under a
         pipeline the expert counts are the pipeline's to collect."""
         labels = as_token_batch(micro_batch).labels
-        lm_loss, *mtp_losses = [self.cross_entropy(logits, targets)
-                                for logits, targets in self._targets(outputs, labels)]
-        loss, metrics, depth_losses = self._combine(model, lm_loss, mtp_losses, labels, outputs[0].shape[1])
+        lm_loss, *mtp_losses = self._losses(self.cross_entropy, outputs, labels)
+        loss, metrics, depth_losses, shares = self._combine(model, lm_loss, mtp_losses, labels, outputs[0].shape[1])
         return ObjectiveOutput(loss / self.micro_batches, metrics, outputs[0].shape[:2].numel(), expert_counts or {},
-                               depth_losses)
+                               depth_losses, shares)
 
     @staticmethod
-    def _targets(outputs, labels):
-        """(output, its targets): the next tokens for the first, depth d's targets for the MTP depth d."""
-        return [(output, window_targets(labels, depth, output.shape[1])) for depth, output in enumerate(outputs)]
+    def _losses(mean_loss, outputs, labels):
+        """`mean_loss` of each output against its targets: the next tokens for the first, depth d's targets for the
+        MTP depth d (a zero where there is none, `mean_or_zero`)."""
+        return [mean_or_zero(mean_loss, output, window_targets(labels, depth, output.shape[1]))
+                for depth, output in enumerate(outputs)]
 
     def _combine(self, model, lm_loss, mtp_losses, labels, length):
-        """The micro-batch's loss, CE + mtp_loss_weight x the mean of the MTP depths' CE, its metrics and each
-        depth's loss (detached); under data parallelism this rank's share of them: each mean times local / global
-        valid targets."""
+        """The micro-batch's loss, CE + mtp_loss_weight x the mean of the MTP depths' CE, its metrics, each
+        depth's loss (detached) and share (`ObjectiveOutput.mtp_shares`: 1, or 0 for a depth without a target);
+        under data parallelism this rank's share of them: each mean times local / global valid targets (0 where
+        the micro-batch has none anywhere)."""
+        local = target_counts(labels, len(mtp_losses), length).double()
         if self.data_sum is not None:
-            local = target_counts(labels, len(mtp_losses), length).double()
-            weights = (local / self.global_counts.pop(0).to(local.device)).to(lm_loss.dtype)
+            total = self.global_counts.pop(0).to(local.device)
+            weights = torch.where(total > 0, local / total.clamp(min=1), 0.0).to(lm_loss.dtype)
             lm_loss = lm_loss * weights[0]
             mtp_losses = [loss * weights[d] for d, loss in enumerate(mtp_losses, start=1)]
+        else:
+            weights = (local > 0).to(lm_loss.dtype)
         loss = lm_loss + model.config.mtp_loss_weight * torch.stack(mtp_losses).mean() if mtp_losses else lm_loss
-        return loss, {"loss": loss.detach(), "lm_loss": lm_loss.detach()}, [m.detach() for m in mtp_losses]
+        return (loss, {"loss": loss.detach(), "lm_loss": lm_loss.detach()}, [m.detach() for m in mtp_losses],
+                list(weights[1:].unbind(0)))
 
 
 class LoaderBatches(BatchSource):

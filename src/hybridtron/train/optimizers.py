@@ -107,7 +107,8 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
     Mamba's per-head A, D, dt_bias are exempt); with `train.compile` in one process, torch's fused kernel (one pass
     over each tensor), otherwise foreach (the bit-for-bit reference, and what sharded DTensors take). The others:
     a `MatrixOptimizer` (module docstring); a hyperball matrix whose norm is zero (no sphere to keep it on) is a
-    ValueError naming it."""
+    ValueError naming it, and so are muon and muonh on weights offloaded from an accelerator (`dist.offload_optimizer`
+    on a GPU: their orthogonalized update would land on the device)."""
     if config.optimizer == ADAMW:
         decay, no_decay = [], []
         for param in model.parameters():
@@ -119,6 +120,13 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.
         return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
                                  foreach=not fused, fused=fused)
     split = parameter_split(model, config.optimizer)
+    # FSDP2's CPU offload on an accelerator: shards on the host, their mesh on the device
+    offloaded_from = {param.device_mesh.device_type for param in model.parameters()
+                      if isinstance(param, DTensor) and param.to_local().device.type != param.device_mesh.device_type}
+    if offloaded_from and config.optimizer in (MUON, MUONH):
+        raise ValueError(f"train.optimizer={config.optimizer} with dist.offload_optimizer on "
+                         f"{offloaded_from.pop()}: Newton-Schulz gathers each matrix and places the result on the "
+                         f"device, not on the host with the offloaded weights; use adamw or adamh there")
     for name, param in split.get(ADAMH, []) + split.get(MUONH, []):
         norms = frobenius_norm(param.detach(), is_stacked(name, param))
         if isinstance(norms, DTensor):

@@ -76,9 +76,11 @@ def training_memory(model_config: ModelConfig, micro_batch_tokens: int, *, train
     layout = Layout(**dist_config.degrees(world))
     # the rows a data-parallel rank takes of a micro-batch, as one sequence: memory depends on the tokens alone
     rank_tokens = micro_batch_tokens // layout.dp
+    # offloaded, the fp32 state leaves a GPU's memory; on the CPU it is where it was
     workload = Workload(seq_len=rank_tokens, tokens_per_iter=micro_batch_tokens * train.grad_accum,
                        recompute=train.recompute, recipe=PLANNER_RECIPES.get(train.precision, "bf16"),
-                       policy=train.precision_policy)
+                       policy=train.precision_policy,
+                       offload_optimizer=dist_config.offload_optimizer and device.type == "cuda")
     # memory never binds here (`check_memory` compares with what the device has); the GPU kind sets no figure used
     cluster = cluster_for("h100", world, gpus_per_node=world, nvlink_domain=world, hbm_gib=float(2 ** 40))
     result = estimate(model_config, cluster, workload, layout)

@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 
 from hybridtron.checkpoint.dcp import CheckpointManager, step_of
-from hybridtron.checkpoint.hf import save_pretrained
+from hybridtron.checkpoint.hf import check_checkpoint_target, resolve_checkpoint_dir, save_pretrained, staged_checkpoint
 from hybridtron.config import HYBRIDTRON_H, ModelConfig
 from hybridtron.data.chat import save_tokenizer_files
 from hybridtron.dist.config import DistConfig
@@ -84,6 +84,8 @@ class Input:
     field: str  # the configuration's field, e.g. "base_model"
     help: str
     optional: bool = False
+    checkpoint: bool = False  # an HF checkpoint directory, read as every command reads --model (a run directory:
+    # its hf/ export; a training checkpoint is refused naming `hybridtron convert`)
 
     @property
     def dest(self) -> str:
@@ -184,7 +186,11 @@ class RunCommand:
     # ----------------------------------------------------------------------------------- the configuration
     def given_inputs(self, args) -> dict[str, Any]:
         """The inputs given on the command line (None where a flag was not given)."""
-        return {item.field: getattr(args, item.dest, None) for item in self.inputs}
+        given = {item.field: getattr(args, item.dest, None) for item in self.inputs}
+        for item in self.inputs:
+            if item.checkpoint and given[item.field] is not None:
+                given[item.field] = str(resolve_checkpoint_dir(given[item.field], item.flag)[0])
+        return given
 
     def resolve(self, args) -> tuple[SectionedConfig, SectionedConfig | None]:
         """(the configuration to run, the run's saved configuration with --resume, else None). A resume's changes
@@ -243,6 +249,9 @@ class RunCommand:
         if not args.out:
             raise ValueError(f"--out is required: the run directory to create (e.g. --out runs/{self.name})")
         self.check(config)
+        # the run owns RUN/hf and replaces its own export at the end; a directory there holding something else is
+        # refused now, not after the training
+        check_checkpoint_target(Path(args.out) / "hf", overwrite=True, option="the run's HF export")
         built = self.train_in(config, Path(args.out), resume=args.resume, quiet=args.quiet, saved=saved)
         if built is None:  # the run in --out was already complete
             return 0
@@ -530,8 +539,11 @@ def export_model(trainer, hf_dir: Path, tokenizer, model_max_length: int | None 
         if blocker is not None:
             print(f"[export] {hf_dir} is in hybridtron's own format (model_type {HYBRIDTRON_H!r}: hybridtron loads it, "
                   f"transformers refuses it): {blocker}", file=sys.stderr)
-        save_pretrained(model, hf_dir, nemotron_h=False)
-        save_tokenizer_files(tokenizer, hf_dir, model_max_length=model_max_length)
+        # the run owns its export: a resumed run replaces it (a user's own files there are kept), model and
+        # tokenizer published together
+        with staged_checkpoint(hf_dir, overwrite=True) as staging:
+            save_pretrained(model, staging, nemotron_h=False)
+            save_tokenizer_files(tokenizer, staging, model_max_length=model_max_length)
     if parallel is not None:
         parallel.barrier()
     return writes

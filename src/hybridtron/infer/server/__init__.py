@@ -11,14 +11,25 @@ of prompts (completions), `logprobs` (completions: an integer k, OpenAI's `token
 `top_logprobs` / `text_offset`; chat: `logprobs: true` and `top_logprobs: k`, OpenAI's `content` list with `bytes`),
 `echo` (with `logprobs`, the prompt's tokens are scored too, from one forward: `HybridEngine.prompt_logprobs`),
 `seed`, `stop`, `max_tokens` (a prompt plus max_tokens beyond the context is a 400 that states the limit),
-`stream` with `stream_options.include_usage`. Log-probabilities of generated tokens are those of the distribution
-each was drawn from (`hybridtron.infer.scheduler.TokenEvent`). The `n` samples of a prompt share its prefill, and a
-seeded request is reproducible: choice i * n + j is `HybridEngine.generate(prompts, params, n)[i][j]`.
+`stream` with `stream_options.include_usage`, `tools` and `tool_choice` (chat: see below). Log-probabilities of
+generated tokens are those of the distribution each was drawn from (`hybridtron.infer.scheduler.TokenEvent`). The
+`n` samples of a prompt share its prefill, and a seeded request is reproducible: choice i * n + j is
+`HybridEngine.generate(prompts, params, n)[i][j]`.
 
 Every request runs on the engine's continuous-batching loop (`hybridtron.infer.scheduler`): it joins the running
 batch between two steps and leaves it when it finishes, so concurrent requests share each forward. The chat
 template is the one the trainers use (`hybridtron.data.chat`). Text, stop strings and the end of a sequence's text
 follow `hybridtron.infer.text.SequenceText`, as in `hybridtron generate`.
+
+Tools (chat): `tools` are rendered by the chat template into the system turn, as Qwen3's template does, and the
+model's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` regions are parsed back as vLLM's Hermes parser
+parses them (`hybridtron.data.tools`): `message.tool_calls` with the text before the first call as `content`, and
+`finish_reason` "tool_calls"; a call that does not parse is returned as text (finish_reason "stop", or "length"
+when cut). Streamed, the content goes out as it comes until a `<tool_call>` opens, and the calls are sent whole at
+the end of the turn, one `tool_calls` delta each (so that a stream says what the whole response says).
+`tool_choice`: "auto" (the default with tools), "none" (tools rendered, nothing parsed), "required" and a named
+function, enforced by a guided prefix written into the assistant's turn (`<tool_call>` and, for a named function,
+`{"name": NAME, "arguments": `); the arguments themselves are not constrained.
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a malformed request, naming
 the field (pydantic models with `extra="forbid"`, `protocol.py`), 401 without the `--api-key`, 404 for an unknown

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybridtron.data.tools import ContentStream, ParsedOutput, parse_tool_calls
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.scheduler import EngineError, EngineStats, QueueFull, RequestHandle, TokenEvent
 from hybridtron.infer.server.settings import DEFAULT_REQUEST_TIMEOUT_S
@@ -307,11 +308,17 @@ class Shapes:
             out.setdefault(self.vocabulary.text(token), logprob)
         return out
 
-    def choice(self, index: int, text: str, entries, top_n, finish_reason) -> dict[str, Any]:
+    def choice(self, index: int, text: str, entries, top_n, finish_reason,
+               parsed: ParsedOutput | None = None) -> dict[str, Any]:
+        """`parsed`: the text read for tool calls (chat with tools); where calls parsed, the message carries them
+        and the finish reason is "tool_calls"."""
         logprobs = self.logprobs(entries, top_n)
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if parsed is not None and parsed.calls:
+                message = {"role": "assistant", "content": parsed.content, "tool_calls": tool_calls_json(parsed)}
+                finish_reason = "tool_calls"
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def chunk_choice(self, index: int, text: str | None, entries, top_n, finish_reason) -> dict[str, Any]:
@@ -320,6 +327,33 @@ class Shapes:
             return {"index": index, "delta": {} if text is None else {"content": text}, "logprobs": logprobs,
                     "finish_reason": finish_reason}
         return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_calls_json(parsed: ParsedOutput) -> list[dict[str, Any]]:
+    """OpenAI's `tool_calls` of a message: each call with a fresh id and its arguments as a JSON string."""
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments_json()}} for call in parsed.calls]
+
+
+class StreamedToolCalls:
+    """One streamed choice of a chat with tools: its content goes out as it comes until a `<tool_call>` opens; the
+    calls are held to the end of the turn and then sent (one chunk, each call whole: id, name and arguments) if
+    every one parses, else the held text goes out as content, so a stream says what the whole response says."""
+
+    def __init__(self, prefill: str):
+        self.content = ContentStream(prefill)
+
+    def push(self, text: str) -> str:
+        return self.content.push(text)
+
+    def finish(self, finish_reason: str) -> tuple[dict[str, Any] | None, str]:
+        """(the closing delta or None, the finish reason)."""
+        parsed = parse_tool_calls(self.content.text)
+        if parsed.calls:
+            calls = [{"index": i, **call} for i, call in enumerate(tool_calls_json(parsed))]
+            return {"tool_calls": calls}, "tool_calls"
+        held = self.content.held()
+        return ({"content": held} if held else None), finish_reason
 
 
 # ------------------------------------------------------------------------------------------ the app
@@ -440,8 +474,11 @@ def create_app(engine: Engine, *, api_key: str | None = None,
 
             await _unless_disconnected(request, collect(), generation)
             account(generation, started, first_token)
-            choices = [shapes.choice(c.index, "".join(texts[c.index]), entries[c.index], top_n, finish[c.index])
-                       for c in generation.choices]
+            choices = []
+            for c in generation.choices:
+                text = parsed.prefill + "".join(texts[c.index])
+                calls = parse_tool_calls(text) if parsed.parse_tool_calls else None
+                choices.append(shapes.choice(c.index, text, entries[c.index], top_n, finish[c.index], calls))
             return {**head, "choices": choices,
                     "usage": _usage(prompt_tokens, sum(c.completion_tokens for c in generation.choices))}
 
@@ -449,6 +486,9 @@ def create_app(engine: Engine, *, api_key: str | None = None,
 
         def chunk(choice: dict[str, Any]) -> str:
             return _sse({**chunk_head, "choices": [choice]})
+
+        tool_streams = {c.index: StreamedToolCalls(parsed.prefill) for c in generation.choices} \
+            if parsed.parse_tool_calls else {}
 
         async def chunks():
             first_token = None
@@ -462,10 +502,18 @@ def create_app(engine: Engine, *, api_key: str | None = None,
                                                         None))
                 async for delta in generation.deltas(request_timeout):
                     first_token = first_token or time.perf_counter()
-                    if delta.text or delta.logprobs:
-                        yield chunk(shapes.chunk_choice(delta.index, delta.text, delta.logprobs, top_n, None))
+                    tools = tool_streams.get(delta.index)
+                    text = tools.push(delta.text) if tools is not None else delta.text
+                    if text or delta.logprobs:
+                        yield chunk(shapes.chunk_choice(delta.index, text, delta.logprobs, top_n, None))
                     if delta.finish_reason is not None:
-                        yield chunk(shapes.chunk_choice(delta.index, None, [], top_n, delta.finish_reason))
+                        finish_reason = delta.finish_reason
+                        if tools is not None:
+                            closing, finish_reason = tools.finish(finish_reason)
+                            if closing is not None:
+                                yield chunk({"index": delta.index, "delta": closing, "logprobs": None,
+                                             "finish_reason": None})
+                        yield chunk(shapes.chunk_choice(delta.index, None, [], top_n, finish_reason))
                 if parsed.include_usage:
                     completion_tokens = sum(c.completion_tokens for c in generation.choices)
                     yield _sse({**chunk_head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})

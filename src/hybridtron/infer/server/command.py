@@ -3,6 +3,7 @@ hybridtron.infer.server (its docstring says what the server does)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -10,10 +11,14 @@ from pathlib import Path
 
 import torch
 
+from hybridtron.checkpoint.hf import resolve_checkpoint_dir
+from hybridtron.data.chat import declared_chat_template
+from hybridtron.files import RUN_CONFIG
 from hybridtron.infer.engine import load_engine
 from hybridtron.infer.server import create_app, require_serving_dependencies
 from hybridtron.infer.server.settings import API_KEY_ENV, DEFAULT_REQUEST_TIMEOUT_S
 from hybridtron.ops.compile_cache import use_compile_cache
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True,
@@ -73,7 +78,8 @@ def required_api_key(args) -> str | None:
     return None
 
 
-def _check(args) -> None:
+def _check(args) -> Path:
+    """Refuse bad options before the port is bound and the model loads; returns the checkpoint directory."""
     if args.draft_length is not None and args.draft_length < 1:
         raise ValueError(f"--draft-length must be >= 1, got {args.draft_length}")
     if not 0 <= args.port <= 65535:
@@ -91,8 +97,32 @@ def _check(args) -> None:
         raise ValueError("--served-model-name must not be empty")
     if args.compile_cache and not args.compile:
         raise ValueError("--compile-cache applies to --compile (nothing is compiled without it)")
-    if not Path(args.model).is_dir():
-        raise FileNotFoundError(f"{args.model}: no such checkpoint directory")
+    return resolve_checkpoint_dir(args.model)[0]
+
+
+def chat_template_note(model_dir: Path) -> str | None:
+    """The start line's warning for a model that was never fine-tuned for chat, which /v1/chat/completions answers
+    with noise: a checkpoint that declares no chat template, or the export of a pretraining run (hybridtron writes its
+    template into every export, a base model's too, so that `eval tasks` and `mtp-boost` can render prompts for it:
+    the run's own configuration, beside its hf/, tells a base model by its text-mixture [data] section, where SFT,
+    GRPO and MOPD name a data file or an environment). None for a chat model, or where nothing tells."""
+    why = None
+    if declared_chat_template(model_dir)[0] is None:
+        why = (f"{model_dir} declares no chat template (no chat_template in tokenizer_config.json or "
+               f"chat_template.jinja)")
+    elif model_dir.name == "hf" and (run_config := model_dir.parent / RUN_CONFIG).is_file():
+        try:
+            data = json.loads(run_config.read_text()).get("data")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            data = None  # not ours to judge: the server starts all the same
+        if isinstance(data, dict):
+            why = (f"{model_dir} is the export of a pretraining run ({run_config} trains on a text mixture): a base "
+                   f"model, never fine-tuned for chat")
+    if why is None:
+        return None
+    return (f"hybridtron serve: {why}; /v1/chat/completions renders every conversation in hybridtron's ChatML format "
+            f"(hybridtron.data.chat) all the same, and a model not fine-tuned on that format answers it with noise: "
+            f"send plain text to /v1/completions, or fine-tune it with `hybridtron sft` first")
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -114,7 +144,7 @@ def url(host: str, port: int) -> str:
 
 
 def run(args) -> int:
-    _check(args)
+    note = chat_template_note(_check(args))
     key = required_api_key(args)
     try:
         require_serving_dependencies()
@@ -139,6 +169,8 @@ def run(args) -> int:
         port = sock.getsockname()[1]
         access = "clients must send the API key" if key else "no API key: every client is served"
         print(f"hybridtron serve: {engine.model_name} on {url(args.host, port)}/v1 ({access})", file=sys.stderr)
+        if note is not None:
+            print(note, file=sys.stderr)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="info",
                                                timeout_graceful_shutdown=args.shutdown_timeout))
         try:

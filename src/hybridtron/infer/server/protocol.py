@@ -7,11 +7,14 @@ becomes a 400 in OpenAI's shape that names the parameter (`messages[0].content`)
 came (`error_from_validation`). Parameters that OpenAI clients send with their neutral value and this server cannot
 honour (penalties, `logit_bias`, `suffix`, `best_of` > n) are accepted at that value and refused otherwise, never
 silently ignored. The context budget is checked here too: a prompt plus `max_tokens` beyond the model's context is
-an error that states the limit (`context_length_exceeded`), never a silent cut.
+an error that states the limit (`context_length_exceeded`), never a silent cut. Chat's `tools` are checked as the
+chat template renders them (`hybridtron.data.tools.check_tools`) and `tool_choice` against them; "required" and a
+named function become a prefix of the assistant's turn (`tool_prefill`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from hybridtron.data.chat import MESSAGE_FIELDS, ROLE_ALIASES, ROLES
+from hybridtron.data.tokenizer import TOOL_CALL_START
+from hybridtron.data.tools import check_tools
 from hybridtron.infer.sampling import ParamError, SamplingParams
 from hybridtron.infer.scheduler import MAX_TOP_LOGPROBS
 
@@ -201,21 +206,72 @@ class ChatMessage(_Strict):
         return self.model_dump(exclude_none=True)
 
 
+TOOL_CHOICES = ("none", "auto", "required")
+
+
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, value):
+        try:
+            return check_tools(value, "tools")
+        except ValueError as exc:
+            raise _invalid(str(exc)) from None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value):
+        """"none", "auto", "required", or {"type": "function", "function": {"name": NAME}} (kept as NAME)."""
+        if value in TOOL_CHOICES:
+            return value
+        function = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str) and len(value) == 2:
+            return {"name": function["name"]}
+        raise _invalid(f"tool_choice: expected one of {', '.join(TOOL_CHOICES)} or {{'type': 'function', "
+                       f"'function': {{'name': NAME}}}}, got {value!r:.80}")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("top_logprobs", "top_logprobs: only allowed when logprobs is true")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise PydanticCustomError("tool_choice", "{message}", {
+                "message": f"tool_choice: {self.tool_choice!r} needs tools; declare them in tools"})
+        if isinstance(self.tool_choice, dict):
+            declared = [tool["function"]["name"] for tool in self.tools]
+            if self.tool_choice["name"] not in declared:
+                raise PydanticCustomError("tool_choice", "{message}", {
+                    "message": f"tool_choice: function {self.tool_choice['name']!r} is not among the tools declared "
+                               f"({', '.join(declared)})"})
         return self
+
+    def tool_prefill(self) -> str:
+        """The start of the assistant's turn that enforces `tool_choice` (see `tool_prefill`)."""
+        return tool_prefill(self.tool_choice)
+
+
+def tool_prefill(tool_choice) -> str:
+    """"required" and a named function are enforced by writing the start of the call into the assistant's turn (a
+    guided prefix): `<tool_call>` then a newline for "required" (the model picks the function), and for a named
+    function also `{"name": NAME, "arguments": ` (the model writes the arguments). The arguments themselves are not
+    constrained (no grammar-guided decoding): a call that does not parse comes back as text."""
+    if tool_choice == "required":
+        return TOOL_CALL_START + "\n"
+    if isinstance(tool_choice, dict):
+        return TOOL_CALL_START + '\n{"name": ' + json.dumps(tool_choice["name"]) + ', "arguments": '
+    return ""
 
 
 # ------------------------------------------------------------------------------------------ errors
-_PARAM_OF_ERROR_TYPE = {"stream_options": "stream_options", "best_of": "best_of", "top_logprobs": "top_logprobs"}
+_PARAM_OF_ERROR_TYPE = {"stream_options": "stream_options", "best_of": "best_of", "top_logprobs": "top_logprobs",
+                        "tool_choice": "tool_choice"}
 
 
 def _param(loc: tuple) -> str | None:
@@ -271,6 +327,8 @@ class GenerationRequest:
     echo: bool
     stream: bool
     include_usage: bool
+    parse_tool_calls: bool = False  # tools declared and tool_choice not "none": tool_calls parsed from the text
+    prefill: str = ""  # the start of the assistant's turn written into the prompt (`tool_prefill`), part of its text
 
 
 def _check_model(request: _Request, model_name: str) -> None:
@@ -346,15 +404,20 @@ def chat_request(raw, engine) -> GenerationRequest:
     request = validate(ChatRequest, raw)
     _check_model(request, engine.model_name)
     _choices_fit(request.n)
+    messages = [m.as_dict() for m in request.messages]
     try:
-        prompt = engine.chat_template([m.as_dict() for m in request.messages])
+        # tools rendered whatever tool_choice says, "none" included (as vLLM does by default)
+        prompt = engine.chat_template(messages, tools=request.tools) if request.tools else \
+            engine.chat_template(messages)
     except ValueError as exc:  # the chat format names the message and field: "messages[1].content: ..."
         match = _MESSAGE_FIELD.match(str(exc))
         raise APIError(400, str(exc) if match else f"messages: {exc}",
                        param=match.group(1) if match else "messages") from None
-    ids = _encode(engine, prompt, "messages")
+    prefill = request.tool_prefill()
+    ids = _encode(engine, prompt + prefill, "messages")
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     max_tokens = _check_context(engine.max_context, ids, max_tokens, "messages")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     return GenerationRequest(True, [ids], [_sampling_params(request, max_tokens)], request.n, logprobs, False,
-                             request.stream, bool(request.stream_options and request.stream_options.include_usage))
+                             request.stream, bool(request.stream_options and request.stream_options.include_usage),
+                             parse_tool_calls=bool(request.tools) and request.tool_choice != "none", prefill=prefill)

@@ -255,7 +255,8 @@ class MTPBoost(RunCommand):
     config_class = MTPBoostRunConfig
     inputs = (
         Input("--model", "base_model", "the checkpoint to boost: an HF directory (config.json, safetensors, "
-                                       "tokenizer.json) whose MTP block trains"),
+                                       "tokenizer.json) whose MTP block trains, or a run directory (its "
+                                       "hf/ export)", checkpoint=True),
         Input("--prompts", "prompts", "prompts to sample the pool from and measure acceptance on: a text file, one "
                                       "prompt a line, or a .jsonl file of conversations ({\"messages\": [...]} a "
                                       "line, rendered with the model's chat template and the generation prompt) "

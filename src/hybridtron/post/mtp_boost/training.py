@@ -131,12 +131,14 @@ def boost_loss(model, input_ids_BT: torch.Tensor, hidden0_BTH: torch.Tensor, tar
                depths: int, temperature: float = 2.0, mixers: ChainAttention | None = None
                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Mean over depths of T^2 * KL(backbone_T || mtp_T) over the anchors whose target exists; each depth's value
-    (detached). `mixers`: as for `mtp_chain`."""
+    (detached). A depth past the rows' end (depth >= T) has no anchor: a zero with a zero gradient that keeps the
+    divisor, as `model.lm`'s MTP loss does. `mixers`: as for `mtp_chain`."""
     length = input_ids_BT.shape[1]
     per_depth = []
     for depth, hidden in enumerate(mtp_chain(model, input_ids_BT, hidden0_BTH, depths, mixers), start=1):
         if depth >= length:
-            break
+            per_depth.append(hidden.sum() * 0.0 + 0.0)
+            continue
         student = model.lm_head(hidden[:, :length - depth]).float() / temperature
         teacher = target_logits_BTV[:, depth:].float() / temperature
         kl = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True,
@@ -191,8 +193,9 @@ class BoostObjective:
         mixers = ChainAttention()
         loss, per_depth = boost_loss(model, input_ids_BT, target.hidden, target.logits, self.depths,
                                      self.temperature, mixers)
+        shares = [loss.new_tensor(float(depth < input_ids_BT.shape[1])) for depth in range(1, self.depths + 1)]
         return ObjectiveOutput(loss / self.micro_batches, {"loss": loss.detach()}, input_ids_BT.numel(),
-                               {**router_counts(model, target), **mixers.expert_counts(model)}, per_depth)
+                               {**router_counts(model, target), **mixers.expert_counts(model)}, per_depth, shares)
 
 
 class PoolBatches(BatchSource):

@@ -1,12 +1,14 @@
-"""The learner's end of the rollouts (hybridtron.post.rl.rollout): each step's `RolloutBatch` as the trainer's
-micro-batches, and the batch source that keeps the role pipeline fed.
+"""The learner's end of the rollouts (hybridtron.post.rl.rollout): each rollout batch (`RolloutBatch`) as the
+trainer's micro-batches, one optimizer step's or, cut into mini-batches, several steps', and the batch source that
+keeps the role pipeline fed.
 
-`RolloutBatches` keeps the pipeline `staleness + 1` batches ahead and hands the learner's weights to the rollout
-role after every optimizer step (`sync_weights`, which the trainer calls: hybridtron.train.loop), each time
-followed by the next request (hybridtron.post.rl.roles): batch n is generated with the weights after optimizer step
-max(0, n - 1 - staleness). Staleness 0 is synchronous RL: batch n + 1 is sampled after step n's update. Staleness
-1 is Ultra's one-step off-policy mode: batch n + 1 is sampled (in the rollout process) while step n trains, with
-the weights step n started from.
+`RolloutBatches` keeps the pipeline `staleness + 1` rollout batches ahead and hands the learner's weights to the
+rollout role after the last optimizer step of each rollout batch (`sync_weights`, which the trainer calls after
+every step: hybridtron.train.loop), each time followed by the next request (hybridtron.post.rl.roles): batch n is
+generated with the weights after the last step of batch max(0, n - 1 - staleness). Staleness 0 is synchronous RL:
+batch n + 1 is sampled after batch n's updates. Staleness 1 is Ultra's one-step off-policy mode: batch n + 1 is
+sampled (in the rollout process) while batch n trains, with the weights batch n started from. With one step a
+rollout batch (the default) a batch is a step.
 
 Micro-batches (`RolloutMicroBatch`): rows of prompt + completion, right-padded, with the labels, the engine's
 log-probs, the advantages, the experts to replay and the scoring roles' per-token scores laid out beside them;
@@ -43,7 +45,9 @@ class RolloutMicroBatch:
     each row's task domain (per-domain metrics: MOPD's reverse KL to each domain's teacher). Under context
     parallelism a micro-batch is one share of the rows' positions (`share`): following_ids, following_labels and
     following_valid [B, <= D] are the ids, labels and validity after it, which the MTP depths at its last positions
-    read and are scored against (None for whole rows)."""
+    read and are scored against (None for whole rows). old_logprobs: with several optimizer steps a rollout batch,
+    the log-probs of the labels under the learner before the batch's first update (`RolloutBatches`), the old
+    policy of the PPO ratio; None: the learner's own at this step (one step a batch: old = current)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -58,6 +62,7 @@ class RolloutMicroBatch:
     following_ids: torch.Tensor | None = None
     following_labels: torch.Tensor | None = None
     following_valid: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None  # [B, L]: the learner's before its rollout batch's first update
 
     @property
     def completion_mask(self) -> torch.Tensor:
@@ -167,11 +172,12 @@ def shard_micro_batch(mb: RolloutMicroBatch, parallel, pad_id: int = 0, *, looka
     return mb.share(parallel.coordinate("cp"), cp, lookahead) if cp > 1 else mb
 
 
-def pack_micro_batches(batch: RolloutBatch, micro_batches: int, pad_id: int = 0) -> list[RolloutMicroBatch]:
-    """Split a step's rollouts into `micro_batches` micro-batches of (nearly) equal row counts (fewer if there are
-    fewer rows), rows sorted by length so that each micro-batch pads little; the losses are sums over tokens, so
-    the order changes nothing but the padding. A group is informative (its rows `trained`) when its rewards do
-    not all agree."""
+def pack_micro_batches(batch: RolloutBatch, micro_batches: int, pad_id: int = 0,
+                       rows: tuple[int, int] | None = None) -> list[RolloutMicroBatch]:
+    """Split a step's rollouts (those of `rows` [start, stop), a mini-batch; default: all) into `micro_batches`
+    micro-batches of (nearly) equal row counts (fewer if there are fewer rows), rows sorted by length so that each
+    micro-batch pads little; the losses are sums over tokens, so the order changes nothing but the padding. A group
+    is informative (its rows `trained`) when its rewards do not all agree, whichever mini-batch holds them."""
     rollouts = batch.rollouts
     if not rollouts:
         raise ValueError(f"rollout batch {batch.index} holds no rollouts")
@@ -180,6 +186,8 @@ def pack_micro_batches(batch: RolloutBatch, micro_batches: int, pad_id: int = 0)
     for start in range(0, len(rollouts), G):
         group = rollouts[start:start + G]
         trained += [len({r.reward for r in group}) > 1] * len(group)
+    if rows is not None:
+        rollouts, trained = rollouts[rows[0]:rows[1]], trained[rows[0]:rows[1]]
     order = sorted(range(len(rollouts)), key=lambda i: len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids))
     rollouts, trained = [rollouts[i] for i in order], [trained[i] for i in order]
     count = min(micro_batches, len(rollouts))
@@ -250,13 +258,22 @@ def rollout_router_counts(model, out) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------ the learner's end
 class RolloutBatches(BatchSource):
     """The learner's end of the rollout pipeline: the trainer's batch source (hybridtron.train.objectives), each
-    step's rollouts split into `grad_accum` micro-batches (fewer if the step has fewer rows).
+    optimizer step's rollouts split into `grad_accum` micro-batches (fewer if the step has fewer rows).
 
     `pipeline`: builds a `RolePipeline` whose first role is the rollout role (more roles may follow it: scoring
     roles that add `Rollout.scores`). The trainer hands over the learner's weights after every optimizer step
-    (`sync_weights`, step 9 of hybridtron.train.loop): they go to the rollout role, followed by the next requests
-    (none past the run's last step). `mtp_depths` and `min_chunk` (the model's MTP depths and its causal conv
-    width - 1): how a sharded learner's rows are cut under context parallelism.
+    (`sync_weights`, step 9 of hybridtron.train.loop): at the end of a rollout batch they go to the rollout role,
+    followed by the next requests (none past the run's last step). `mtp_depths` and `min_chunk` (the model's MTP
+    depths and its causal conv width - 1): how a sharded learner's rows are cut under context parallelism.
+
+    Mini-batches (`mini_batches` x `epochs` > 1 optimizer steps a rollout batch: the RL section's `global_batch`
+    and `epochs`): a rollout batch is cut in order into `mini_batches` mini-batches of (nearly) equal rows, one
+    optimizer step each, and trained `epochs` times over in the same order. Before the first of those steps,
+    `old_logprobs` (a no-grad forward of the learner: `RolloutObjective.old_logprobs`) gives every micro-batch its
+    log-probs under the learner as it stands, and they stay fixed for all of the batch's steps: the old policy of
+    the PPO ratio, which the first step matches and from which every later step has moved. The weights go to the
+    rollout role once a rollout batch, after its last step (as miles and verl update the rollout engine once per
+    rollout batch), so the staleness bound counts rollout batches.
 
     `parallel` (a sharded learner under torchrun, hybridtron.dist): each rank trains on its data-parallel rows of
     every micro-batch (`shard_micro_batch`), so the step is the one a single process takes. With `shared` (inline
@@ -265,31 +282,50 @@ class RolloutBatches(BatchSource):
     ends with the whole batch. Otherwise (roles in processes or Ray actors) the pipeline runs on global rank 0
     alone, with the full weights gathered there, and rank 0 broadcasts the step's batch.
 
-    The protocol (see the module docstring): after step n - 1 (before the batch of step n is taken) the weights of
-    step n - 1 go to the rollout role, followed by the request for batch n + staleness; so batch m is always sampled with the
-    weights after step max(0, m - 1 - staleness), whatever the speed of either side.
+    The protocol (see the module docstring): after the last step of rollout batch n - 1 (before batch n is taken)
+    the weights go to the rollout role, followed by the request for batch n + staleness; so batch m is always
+    sampled with the weights after the last step of batch max(0, m - 1 - staleness), whatever the speed of either
+    side. With one step a batch that is step max(0, m - 1 - staleness).
 
     State (`state_dict`, at a step boundary): the batches consumed, the next `staleness` batches (waited for:
-    they were sampled with weights the checkpoint does not hold) and the role states after the last of them, so a
-    resumed run consumes exactly the batches the uninterrupted run would have. After a rollback (the monitor
-    restoring an older checkpoint) the run reads on with those prefetched batches, sampled by the abandoned
-    policy; the IS correction weights them as it does any stale batch."""
+    they were sampled with weights the checkpoint does not hold), the role states after the last of them, and, in
+    the middle of a rollout batch, that batch, the steps taken of it and every rank's old log-probs (the weights
+    that computed them are gone), so a resumed run consumes exactly the batches the uninterrupted run would have,
+    against the same old policy. After a rollback (the monitor restoring an older checkpoint) the run reads on with
+    those prefetched batches (and the rest of the current one), sampled by the abandoned policy; the IS correction
+    weights them as it does any stale batch."""
 
     def __init__(self, pipeline: Callable[[], RolePipeline], *, staleness: int, grad_accum: int, pad_id: int = 0,
-                 parallel=None, shared: bool = False, mtp_depths: int = 0, min_chunk: int = 1):
+                 parallel=None, shared: bool = False, mtp_depths: int = 0, min_chunk: int = 1,
+                 mini_batches: int = 1, epochs: int = 1,
+                 old_logprobs: Callable[[list[RolloutMicroBatch]], list[torch.Tensor]] | None = None):
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
+        if mini_batches < 1 or epochs < 1:
+            raise ValueError(f"mini_batches and epochs must be >= 1, got {mini_batches} and {epochs}")
         self.make_pipeline, self.parallel = pipeline, parallel
         self.mtp_depths, self.min_chunk = mtp_depths, min_chunk  # how a sharded learner's rows are cut (lookahead)
         self.shared = shared and parallel is not None
         self.drives_pipeline = parallel is None or parallel.is_main or self.shared
         self.staleness, self.grad_accum, self.pad_id = staleness, grad_accum, pad_id
+        self.mini_batches, self.epochs = mini_batches, epochs
+        self.steps_per_rollout = mini_batches * epochs
+        if self.steps_per_rollout > 1 and old_logprobs is None:
+            raise ValueError("several optimizer steps a rollout batch need old_logprobs (the learner's log-probs "
+                             "before the batch's first update)")
+        self.old_logprobs = old_logprobs
         self.pipeline: RolePipeline | None = None
-        self.consumed = 0  # batches the learner has taken (= its step, unless a rollback rewound it)
+        self.consumed = 0  # rollout batches the learner has taken (= its step / steps_per_rollout, barring rollbacks)
         self.requested = 0  # the highest batch index requested from the pipeline
         self.prefetched: list[RolloutBatch] = []  # received, not yet consumed
         self.role_states: dict[str, dict] | None = None  # after the last batch received
         self.last_wait_s = 0.0
+        # the rollout batch being trained: the steps taken of it, its micro-batches per mini-batch (this rank's)
+        # and their old log-probs (None with one step a batch)
+        self.current: RolloutBatch | None = None
+        self.taken = 0
+        self.steps: list[list[RolloutMicroBatch]] = []
+        self.current_old: list[list[torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------------------------------ protocol
     def _start(self) -> None:
@@ -300,10 +336,18 @@ class RolloutBatches(BatchSource):
                     self.pipeline.send_state(role, state)
         self.requested = self.consumed + len(self.prefetched)
 
+    @property
+    def mid_batch(self) -> bool:
+        """Whether steps of the current rollout batch remain."""
+        return self.current is not None and self.taken < self.steps_per_rollout
+
     def sync_weights(self, model, version: int, total_steps: int) -> None:
-        """The trainer's call after optimizer step `version` (and at the start): the weights go to the rollout role,
-        followed by the requests up to batch `version + 1 + staleness` (none past `total_steps`). Every rank joins
-        the gathering of a sharded model."""
+        """The trainer's call after optimizer step `version` (and at the start): at the end of a rollout batch, the
+        weights go to the rollout role, followed by the requests up to batch `version / steps_per_rollout + 1 +
+        staleness` (none past the run's last step). Every rank joins the gathering of a sharded model. In the middle
+        of a rollout batch it does nothing: the rollout role keeps the weights it was given at the batch's start."""
+        if self.mid_batch:
+            return
         if self.parallel is None:
             weights = model.state_dict()
         else:  # every rank gathers; rank 0 holds the result, or every rank when each samples its share
@@ -313,12 +357,25 @@ class RolloutBatches(BatchSource):
         if self.pipeline is None:
             self._start()
         self.pipeline.send_weights(ROLLOUT_ROLE, version, weights)
-        last = min(version + 1 + self.staleness, max(total_steps, version + 1))
+        batches, total_batches = version // self.steps_per_rollout, -(-total_steps // self.steps_per_rollout)
+        last = min(batches + 1 + self.staleness, max(total_batches, batches + 1))
         while self.requested < last:
             self.requested += 1
             self.pipeline.submit(RolloutRequest(self.requested))
 
     def next_step(self) -> list[RolloutMicroBatch]:
+        if not self.mid_batch:
+            self._begin(self._take())
+        micro_batches = self.steps[self.taken % self.mini_batches]
+        if self.steps_per_rollout > 1:  # the batch's later steps waited for nothing
+            for mb in micro_batches:
+                mb.stats.update(rollout_wait_s=self.last_wait_s if self.taken == 0 else 0.0,
+                                rollout_step=float(self.taken))
+        self.taken += 1
+        return micro_batches
+
+    def _take(self) -> RolloutBatch:
+        """The next rollout batch, with its wait and staleness (in rollout batches) in its stats."""
         started = time.perf_counter()
         batch = None
         if self.drives_pipeline:
@@ -326,12 +383,32 @@ class RolloutBatches(BatchSource):
         if self.parallel is not None and not self.shared:
             batch = self.parallel.broadcast_object(batch)
         self.last_wait_s = time.perf_counter() - started
-        assert batch.index == self.consumed + 1, f"batch {batch.index} arrived for step {self.consumed + 1}"
+        assert batch.index == self.consumed + 1, f"batch {batch.index} arrived for rollout batch {self.consumed + 1}"
         self.consumed += 1
-        stats = {**batch.stats, "rollout_wait_s": self.last_wait_s,
-                 "policy_staleness": float(batch.index - 1 - batch.policy_version)}
-        batch.stats = stats
-        micro_batches = pack_micro_batches(batch, self.grad_accum, self.pad_id)
+        batch.stats = {**batch.stats, "rollout_wait_s": self.last_wait_s,
+                       "policy_staleness": float(batch.index - 1 - batch.policy_version / self.steps_per_rollout)}
+        return batch
+
+    def _begin(self, batch: RolloutBatch, old: list[list[torch.Tensor]] | None = None) -> None:
+        """Make `batch` the current rollout batch: its micro-batches per mini-batch and, with several steps a batch,
+        their old log-probs (`old`, from a checkpoint, or now from the learner, every rank joining the forward)."""
+        self.current, self.taken = batch, 0
+        rows, count = len(batch.rollouts), self.mini_batches
+        if rows < count:
+            raise ValueError(f"rollout batch {batch.index} holds {rows} rollouts, fewer than its {count} "
+                             "mini-batches (global_batch)")
+        bounds = [round(i * rows / count) for i in range(count + 1)]
+        self.steps = [self._micro_batches(batch, span) for span in zip(bounds, bounds[1:])]
+        if self.steps_per_rollout > 1:
+            if old is None:
+                old = [[logp.detach() for logp in self.old_logprobs(mbs)] for mbs in self.steps]
+            for mbs, values in zip(self.steps, old):
+                for mb, logp in zip(mbs, values):
+                    mb.old_logprobs = logp.to(mb.labels.device)
+        self.current_old = old
+
+    def _micro_batches(self, batch: RolloutBatch, rows: tuple[int, int]) -> list[RolloutMicroBatch]:
+        micro_batches = pack_micro_batches(batch, self.grad_accum, self.pad_id, rows)
         if self.parallel is not None and self.parallel.layout.pp > 1:
             micro_batches = uniform_micro_batches(micro_batches, self.grad_accum, self.pad_id)
         if self.parallel is not None:
@@ -350,15 +427,30 @@ class RolloutBatches(BatchSource):
             self.pipeline = None
 
     # --------------------------------------------------------------------------------------------- state
+    def _ranks(self) -> str:
+        """Who holds which old log-probs: the layout of the learner's ranks."""
+        return "one process" if self.parallel is None else f"{self.parallel.world} processes, layout " \
+                                                             f"{self.parallel.layout}"
+
     def state_dict(self) -> dict:
         """(Under torchrun the checkpoint keeps global rank 0's, which drives the pipeline; with `shared`, every
-        rank's is the same.)"""
+        rank's is the same. In the middle of a rollout batch every rank joins: its old log-probs are gathered.)"""
         if self.pipeline is not None:  # wait for the batches sampled with weights older than the checkpoint's
             wanted = min(self.consumed + self.staleness, self.requested)
             while self.consumed + len(self.prefetched) < wanted:
                 self.prefetched.append(self._receive())
-        return {"consumed": self.consumed, "prefetched": list(self.prefetched),
-                "role_states": self.role_states}
+        state = {"consumed": self.consumed, "prefetched": list(self.prefetched), "role_states": self.role_states}
+        if self.mid_batch:
+            old = None
+            if self.current_old is not None:
+                old = [[[logp.cpu() for logp in mbs] for mbs in self.current_old]]
+                if self.parallel is not None:
+                    everyone = [None] * self.parallel.world
+                    torch.distributed.all_gather_object(everyone, old[0])
+                    old = everyone
+            state["current"] = {"batch": self.current, "taken": self.taken, "old_logprobs": old,
+                                "ranks": self._ranks()}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.close()  # a resume or a rollback: the roles restart from the state's point
@@ -366,6 +458,19 @@ class RolloutBatches(BatchSource):
         if self.drives_pipeline:
             self.prefetched = list(state["prefetched"])
             self.role_states = state["role_states"]
+        self.current, self.taken, self.steps, self.current_old = None, 0, [], None
+        current = state.get("current")
+        if current is not None:
+            old = current["old_logprobs"]
+            if old is not None:
+                if current["ranks"] != self._ranks():
+                    raise ValueError(f"the checkpoint was saved between two optimizer steps of rollout batch "
+                                     f"{current['batch'].index} by {current['ranks']}, which hold its old log-probs; "
+                                     f"resume it the same way ({self._ranks()} now), or from a checkpoint at the "
+                                     f"end of a rollout batch")
+                old = old[0 if self.parallel is None else self.parallel.rank]
+            self._begin(current["batch"], old)
+            self.taken = current["taken"]
 
 
 def rollout_pipeline_factory(specs: Sequence, backend: str, staleness: int, timeout_s: float = 3600.0

@@ -21,6 +21,7 @@ from hybridtron.data.chat import load_chat_tokenizer
 from hybridtron.dist.mesh import Layout, check_run_layout, world_from_env
 from hybridtron.post.rl.batches import RolloutBatches, rollout_pipeline_factory, sharded_length
 from hybridtron.post.rl.config import RolloutConfig
+from hybridtron.post.rl.engines.vllm import check_vllm
 from hybridtron.post.rl.roles import WorkShare
 from hybridtron.train.run import BuiltRun, RunCommand, assemble_trainer, pass_at_1_line, prepare_process, \
     start_parallel
@@ -33,13 +34,19 @@ def learner_layout(dist_config, model_config, learner_config: RolloutConfig, *, 
     padded to whole shares, so only the structural rules apply, and under PP the micro-batches to one shape:
     `uniform_micro_batches`) and the RL learner's own: no routing replay under TP, and under CP only the token-level
     loss (a sequence-level aggregation or correction needs each whole sequence on one rank). A ValueError names the
-    setting; no process group is built."""
+    setting; no process group is built. Several optimizer steps a rollout batch (its old log-probs from a no-grad
+    forward of the learner) are not run under PP."""
     world = world_from_env()[0]
     layout = Layout(**dist_config.degrees(world))
     section = learner_config.SECTION
     if layout.tp > 1 and learner_config.routing_replay:
         raise ValueError(f"dist.tp={layout.tp}: routing replay is not supported under tensor parallelism; set "
                          f"{section}.routing_replay=false or dist.tp=1")
+    if layout.pp > 1 and learner_config.steps_per_rollout > 1:
+        raise ValueError(f"dist.pp={layout.pp}: {section}.global_batch={learner_config.global_batch} / "
+                         f"{section}.epochs={learner_config.epochs} train a rollout batch over several optimizer "
+                         f"steps, whose old log-probs need a forward outside the pipeline schedule; use one step a "
+                         f"rollout batch ({section}.global_batch=0, {section}.epochs=1) or dist.pp=1")
     if layout.cp > 1:
         for name in ("aggregation", "correction_level"):
             value = getattr(learner_config, name)
@@ -93,6 +100,8 @@ class RolloutRunCommand(RunCommand):
                        grad_accum=config.train.grad_accum)
         load_chat_tokenizer(getattr(config, config.MODEL_FROM), vocab_size=config.model.vocab_size,
                             require_template=True)
+        if section.engine == "vllm":  # before anything trains: vLLM installed, and able to run this model here
+            check_vllm(section, config.model, getattr(config, config.MODEL_FROM))
         if section.max_new_tokens + 2 > config.model.max_position_embeddings:
             raise ValueError(f"{section.SECTION}.max_new_tokens={section.max_new_tokens} leaves no room for a prompt "
                              f"in the model's {config.model.max_position_embeddings} positions")
@@ -113,12 +122,19 @@ class RolloutRunCommand(RunCommand):
         backend = section.rollout_backend if section.async_rollouts else "inline"
         shared = parallel is not None and backend == "inline"  # every rank generates its share of each step
         specs = self.role_specs(config, policy_dir, backend, WorkShare() if shared else None)
+        objective = self.objective(config, parallel)
+
+        def old_logprobs(micro_batches):  # the learner as it stands (the trainer, built below, holds it)
+            with trainer.autocast():
+                return [objective.old_logprobs(trainer.model, mb) for mb in micro_batches]
+
         rollouts = RolloutBatches(rollout_pipeline_factory(specs, backend, staleness), staleness=staleness,
                                   grad_accum=train.grad_accum, pad_id=model_config.pad_token_id or 0,
                                   parallel=parallel, shared=shared, mtp_depths=model_config.mtp_depths,
-                                  min_chunk=model_config.conv_kernel - 1)
+                                  min_chunk=model_config.conv_kernel - 1, mini_batches=section.mini_batches,
+                                  epochs=section.epochs, old_logprobs=old_logprobs)
         evaluators, closers = self.evaluators(config, tokenizer)
-        trainer = assemble_trainer(model, self.objective(config, parallel), rollouts, evaluators, train=train,
+        trainer = assemble_trainer(model, objective, rollouts, evaluators, train=train,
                                    monitor_config=config.monitor, out=out, checkpoints=checkpoints, quiet=quiet,
                                    stream=stream, parallel=parallel)
         return BuiltRun(trainer, tokenizer, closers=[rollouts.close, *closers])

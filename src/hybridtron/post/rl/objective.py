@@ -1,18 +1,36 @@
 """What the learner of every on-policy RL objective shares: the log-probs of the sampled tokens under the
-distribution the rollout engine sampled from (`sampled_logprobs`), and `RolloutObjective`, the base of GRPO's and
+distribution the rollout engine sampled from (`sampled_logprobs`, and `token_scores`, which computes them with the
+entropy and a teacher's top-K tokens a block of rows at a time), and `RolloutObjective`, the base of GRPO's and
 MOPD's objectives: the forward with routing replay, the step's global token counts every micro-batch's loss is
-normalised by, and what the stages read under pipeline parallelism. Each objective keeps only its own loss."""
+normalised by, and what the stages read under pipeline parallelism. Each objective keeps only its own loss.
+
+Every RL log-prob pass (the learner here, the reference and the teachers' scoring) stops the model before lm_head
+(`head_forward`) and applies it itself with `ops.linear_logprobs`, `logprob_chunk` rows at a time, recomputing a
+block's logits in the backward: no [tokens, vocab] tensor exists beyond one block, and only the labelled positions
+(the completions) are scored. Where lm_head's weight is not a local tensor (`local_head_weight`: an FSDP or TP shard
+under torchrun, a converted head) and on a pipeline's last stage, the model's [tokens, vocab] logits are taken as
+they come, as pretraining's loss does there, and the same per-row function runs on blocks of them: beside the logits
+and their gradient, no other such tensor.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from hybridtron.dist.pipeline import MicroBatchInputs
 from hybridtron.infer.sampling import probs_from_logits
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
+from hybridtron.ops.linear_cross_entropy import linear_cross_entropy
+from hybridtron.ops.linear_logprobs import linear_logprobs
+from hybridtron.post.losses import token_entropy
 from hybridtron.post.rl.batches import rollout_router_counts
+from hybridtron.post.rl.config import LOGPROB_CHUNK
+from hybridtron.post.sft import sft_loss
+from hybridtron.train.objectives import local_head_weight
 
 LOGP_FLOOR = -50.0  # a sampled token the learner's top-k / top-p would have filtered out: log-prob floored here
 
@@ -33,6 +51,77 @@ def sampled_logprobs(logits_BTV, tokens_BT, temperature: float, top_k: int = 0, 
     logp = torch.log_softmax(scaled, dim=-1).gather(-1, tokens_BT.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return logp.clamp(min=LOGP_FLOOR) if filtered else logp
 
+
+@dataclass
+class HeadOutputs:
+    """What a forward hands the log-prob passes: lm_head's inputs (the backbone's, then each MTP depth's) with its
+    local `weight`, or, `weight` None, their logits (a pipeline's last stage; a sharded or converted lm_head)."""
+
+    states: tuple[torch.Tensor, ...]
+    weight: torch.Tensor | None = None
+
+
+def as_head_outputs(outputs) -> HeadOutputs:
+    """`HeadOutputs` as they are, or a pipeline's last stage's (logits, *MTP logits)."""
+    return outputs if isinstance(outputs, HeadOutputs) else HeadOutputs(tuple(outputs))
+
+
+def head_forward(model, input_ids, **inputs):
+    """`model(input_ids, **inputs)` stopped before lm_head where its weight is local (`logits=False`), and the
+    (`HeadOutputs`, the model's output) of it."""
+    weight = local_head_weight(model)
+    out = model(input_ids, logits=weight is None, **inputs)
+    states = (out.hidden, *out.mtp_hidden) if weight is not None else (out.logits, *out.mtp_logits)
+    return HeadOutputs(states, weight), out
+
+
+@dataclass
+class TokenScores:
+    """Per-position scores of the next-token distribution; [B, T] unless said (where the label is ignored: 0
+    through lm_head's weight, a finite value to mask out through the logits)."""
+
+    logp: torch.Tensor  # log p of the label under the sampling distribution (`sampled_logprobs`)
+    entropy: torch.Tensor | None = None  # of the temperature-scaled distribution, unfiltered (`token_entropy`)
+    given_logp: torch.Tensor | None = None  # [B, T, K]: log p (scaled, unfiltered) of the given ids
+    top_logp: torch.Tensor | None = None  # [B, T, K]: the K largest log-probs (scaled, unfiltered) ...
+    top_ids: torch.Tensor | None = None  # ... and their ids (int64)
+
+
+def row_scores(logits_RV, tokens_R, *given_ids_RK, temperature, top_k, top_p, entropy, top):
+    """`TokenScores`' fields of a block of rows (or of [B, T] positions) from their logits, in that order."""
+    outputs = [sampled_logprobs(logits_RV, tokens_R, temperature, top_k, top_p)]
+    scaled = logits_RV.float() / temperature if entropy or given_ids_RK or top else None
+    if entropy:
+        outputs.append(token_entropy(scaled))
+    if given_ids_RK:
+        outputs.append(scaled.gather(-1, given_ids_RK[0].long()) - scaled.logsumexp(-1, keepdim=True))
+    if top:
+        outputs.extend(torch.log_softmax(scaled, dim=-1).topk(min(top, scaled.shape[-1]), dim=-1))
+    return tuple(outputs)
+
+
+def token_scores(head: HeadOutputs, tokens_BT, temperature: float, top_k: int = 0, top_p: float = 1.0, *,
+                 entropy: bool = False, given_ids=None, top: int = 0, chunk: int = LOGPROB_CHUNK) -> TokenScores:
+    """`TokenScores` of the labels `tokens_BT` from the first of `head`'s states, `chunk` rows at a time
+    (`ops.linear_logprobs`): the labelled rows through lm_head where its weight is given, else every position's
+    logits. `given_ids` [B, T, K]: ids whose log-probs to return (MOPD's teacher top K); `top`: return the K = `top`
+    most likely tokens."""
+    fn = functools.partial(row_scores, temperature=temperature, top_k=top_k, top_p=top_p, entropy=entropy, top=top)
+    extra = () if given_ids is None else (given_ids,)
+    B, T = tokens_BT.shape
+    if head.weight is None:  # every position of the logits (selecting rows would copy them)
+        scored = linear_logprobs(head.states[0].flatten(0, 1), None, fn, tokens_BT.flatten(),
+                                 *(x.flatten(0, 1) for x in extra), chunk=chunk)
+        outputs = [out.view(B, T, *out.shape[1:]) for out in scored]
+    else:
+        rows = (tokens_BT.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+        scored = linear_logprobs(head.states[0].flatten(0, 1).index_select(0, rows), head.weight, fn,
+                                 tokens_BT.flatten()[rows], *(x.flatten(0, 1)[rows] for x in extra), chunk=chunk)
+        outputs = [out.new_zeros(B * T, *out.shape[1:]).index_copy(0, rows, out).view(B, T, *out.shape[1:])
+                   for out in scored]
+    outputs = iter(outputs)
+    return TokenScores(next(outputs), next(outputs) if entropy else None, next(outputs) if extra else None,
+                       *((next(outputs), next(outputs)) if top else ()))
 
 
 class RolloutObjective:
@@ -75,11 +164,45 @@ class RolloutObjective:
                                 counted=mb.counted)
 
     def forward(self, model, mb):
-        """The learner's forward on a micro-batch of rollouts, with routing replay: (logits, *MTP logits), counts."""
+        """The learner's forward on a micro-batch of rollouts, with routing replay: `HeadOutputs` (lm_head's inputs
+        and weight, or the logits: `head_forward`), counts."""
         replay = mb.expert_ids if self.config.routing_replay else None
-        out = model(mb.input_ids, expert_ids=replay, mtp=self.mtp_depths > 0, following_ids=mb.following_ids,
-                    counted=mb.counted)
-        return (out.logits, *out.mtp_logits), rollout_router_counts(model, out)
+        head, out = head_forward(model, mb.input_ids, expert_ids=replay, mtp=self.mtp_depths > 0,
+                                 following_ids=mb.following_ids, counted=mb.counted)
+        return head, rollout_router_counts(model, out)
+
+    def scores(self, outputs, mb, **wanted) -> TokenScores:
+        """`token_scores` of the labels of `mb` from the learner's outputs (`forward`'s `HeadOutputs`, or a pipeline's
+        (logits, *MTP logits)) at the rollouts' temperature and filter; `wanted`: entropy, given_ids."""
+        cfg = self.config
+        return token_scores(as_head_outputs(outputs), mb.labels, cfg.temperature, cfg.top_k, cfg.top_p,
+                            chunk=cfg.logprob_chunk, **wanted)
+
+    def mtp_losses(self, outputs, mb, depth_counts) -> list[torch.Tensor]:
+        """Each trained MTP depth's masked CE on the completions, its share of the step's token mean over
+        `depth_counts` (depth d's targets in the step, at index d - 1; `post.sft.sft_loss`): through lm_head a block
+        of rows at a time (`linear_cross_entropy`) where its weight is local, else on the depth's logits."""
+        head = as_head_outputs(outputs)
+        losses = []
+        for depth, (state, count) in enumerate(zip(head.states[1:1 + self.mtp_depths], depth_counts), start=1):
+            targets = mb.mtp_targets(depth)
+            if head.weight is None:
+                losses.append(sft_loss(state, targets, count))
+                continue
+            trained = int((targets != IGNORE_INDEX).sum())
+            losses.append(linear_cross_entropy(state.flatten(0, 1), head.weight, targets.flatten()) * (trained / count)
+                          if trained else state.sum() * 0.0)
+        return losses
+
+    def old_logprobs(self, model, mb):
+        """The log-probs [B, L] of a micro-batch's labels under `model` as it stands, without a gradient: the old
+        policy of the ratio when a rollout batch trains over several optimizer steps (`RolloutBatches`). The same
+        forward as the learner's (routing replay, the rollout's temperature and filters), without the MTP depths."""
+        with torch.no_grad():
+            replay = mb.expert_ids if self.config.routing_replay else None
+            head, _ = head_forward(model, mb.input_ids, expert_ids=replay, mtp=False,
+                                   following_ids=mb.following_ids, counted=mb.counted)
+            return self.scores(head, mb).logp
 
     def __call__(self, model, mb):
         outputs, counts = self.forward(model, mb)

@@ -39,7 +39,8 @@ on their seed and their index in the round alone), and the same sharing the sync
 ranks.
 
 A role that raises ends the pipeline: the learner's next `receive()` raises `RoleError` with the role's name and
-traceback; a role process that dies is reported the same way. `close()` stops every role.
+traceback (a `RoleStopped`, whose one line says the cause and the fix, is raised as itself); a role process
+that dies is reported the same way. `close()` stops every role.
 
 Writing a role: a class importable by its module path (the "process" and "ray" backends build it in another
 process from a `RoleSpec(factory, kwargs)`; the kwargs must pickle), constructed with everything it needs (a model
@@ -64,6 +65,18 @@ POLL_S = 0.5  # how often a waiting learner checks that the role processes are a
 
 class RoleError(RuntimeError):
     """A role raised (or its process died); the message names the role and carries its traceback."""
+
+
+class RoleStopped(ValueError):
+    """A role's failure that its message explains in one line, cause and fix (a rollout engine missing, failing to
+    start or dying: hybridtron.post.rl.engines): the learner raises it again as itself, naming the role, without
+    the traceback (a ValueError: `hybridtron.cli` prints one line)."""
+
+
+def _error(name: str) -> "Message":
+    """The ERROR message of the exception being handled: (role, traceback, its one line if a RoleStopped)."""
+    exc = sys.exc_info()[1]
+    return Message(ERROR, (name, traceback.format_exc(), str(exc) if isinstance(exc, RoleStopped) else None))
 
 
 class Role:
@@ -243,7 +256,7 @@ class Stage:
         return message  # for a later role, STOP, or an earlier role's ERROR
 
     def _error(self) -> Message:
-        return Message(ERROR, (self.replica.label if self.replica is not None else self.name, traceback.format_exc()))
+        return _error(self.replica.label if self.replica is not None else self.name)
 
     def close(self) -> None:
         self.role.close()
@@ -261,7 +274,7 @@ def _serve_stage(spec: RoleSpec, replica: ReplicaPlace | None, inbox, outboxes: 
         stage = Stage(spec, replica)
     except Exception:
         name = replica.label if replica is not None else spec.role_name
-        outboxes[0].put(Message(ERROR, (name, traceback.format_exc())))
+        outboxes[0].put(_error(name))
         return
     try:
         while True:
@@ -476,8 +489,10 @@ class RolePipeline:
             raise RuntimeError("receive(): no item in flight (submit one first)")
         message = getattr(self, f"_receive_{self.backend}")()
         if message.kind == ERROR:
-            role, text = message.payload
+            role, text, line = message.payload
             self.close()
+            if line is not None:
+                raise RoleStopped(f"role {role!r}: {line}")
             raise RoleError(f"role {role!r} failed:\n{text}")
         assert message.kind == ITEM, f"unexpected {message.kind} message from the last role"
         self.received += 1

@@ -6,9 +6,10 @@ The rollout role (`RolloutRole`, one step per optimizer step of the learner):
 
 1. draws `prompts_per_step` prompts from the environment's training tasks, weighted by the pass-rate curriculum
    (`PassRateCurriculum`), without repeats within a step;
-2. samples `group_size` completions of each with the inference engine (`HybridEngine.generate(prompts, params,
-   n=G, logprobs=True, expert_ids=routing_replay)`; MTP speculative drafts on by default), keeping the engine's
-   per-token log-probs and, for routing replay, the experts every backbone MoE layer chose for every token;
+2. samples `group_size` completions of each with the section's rollout engine (`engine`: hybridtron's own or
+   vLLM, hybridtron.post.rl.engines; `generate(prompts, params, n=G, version=..., expert_ids=routing_replay)`, MTP
+   speculative drafts on by default), keeping the engine's per-token log-probs and, for routing replay, the experts
+   every backbone MoE layer chose for every token; the engine must hold the weights of the role's version;
 3. grades them with the environment (`env.rewards`) and computes each group's advantages
    (`hybridtron.post.losses.group_advantages`);
 4. dynamic sampling (DAPO): a group whose rewards all agree carries no signal and is dropped, and new prompts are
@@ -40,9 +41,8 @@ import torch
 
 from hybridtron.data.chat import load_chat_tokenizer, tokenize_chat
 from hybridtron.envs import Environment, get_env
-from hybridtron.infer.engine import HybridEngine
-from hybridtron.model.lm import HybridLM
 from hybridtron.post.losses import group_advantages
+from hybridtron.post.rl.engines import rollout_engine
 from hybridtron.post.rl.roles import Role, WorkShare
 
 ROLLOUT_ROLE = "rollout"
@@ -190,9 +190,8 @@ class RolloutRole(Role):
             torch.set_num_threads(threads)
         self.config = config
         self.tokenizer = load_chat_tokenizer(model_dir, vocab_size=model_config.vocab_size)
-        model = HybridLM(model_config, init=False)  # the weights come from the learner
-        self.engine = HybridEngine.from_model(model, self.tokenizer, model_name="policy",
-                                              speculative=config.speculative, draft_length=config.draft_length)
+        # the weights come from the learner (`load_weights`), before the first request
+        self.engine = rollout_engine(config, model_dir=model_dir, model_config=model_config, tokenizer=self.tokenizer)
         self.env = load_env(env, **env_options)
         self.tasks = self.env.tasks("train", config.task_pool, config.seed)
         self.curriculum = PassRateCurriculum([t.difficulty for t in self.tasks], target=config.curriculum_target,
@@ -204,7 +203,7 @@ class RolloutRole(Role):
 
     # ---------------------------------------------------------------------------------------- the role
     def load_weights(self, version: int, state_dict: dict) -> None:
-        self.engine.load_weights(state_dict)
+        self.engine.load_weights(version, state_dict)
         self.version = version
 
     def state_dict(self) -> dict:
@@ -215,6 +214,7 @@ class RolloutRole(Role):
 
     def close(self) -> None:
         self.env.close()
+        self.engine.close()
 
     def step(self, request: RolloutRequest) -> RolloutBatch:
         if self.version is None:
@@ -303,8 +303,8 @@ class RolloutRole(Role):
             return part
         started = time.perf_counter()
         part["completions"] = self.engine.generate([self.prompt_ids(i) for i in picked], cfg.sampling_params(seed),
-                                                   n=cfg.group_size, logprobs=True, expert_ids=cfg.routing_replay,
-                                                   first_prompt=first_prompt)
+                                                   n=cfg.group_size, version=self.version,
+                                                   expert_ids=cfg.routing_replay, first_prompt=first_prompt)
         part["generate_s"] = time.perf_counter() - started
         stats = getattr(self.engine, "last_stats", None)  # MTP acceptance of this generation, when it drafted
         if stats is not None and getattr(stats, "steps", 0):
@@ -337,7 +337,7 @@ class RolloutRole(Role):
                 completion_ids=list(c.token_ids), logprobs=c.logprobs, finish_reason=c.finish_reason,
                 reward=float(rewards_PG[p, g]), advantage=float(advantages_PG[p, g]),
                 expert_ids={name: ids.to(torch.int16) for name, ids in c.expert_ids.items()}
-                if c.expert_ids is not None else None)
+                if c.expert_ids else None)  # a dense model's ({}: no router) replays nothing
                 for g, c in enumerate(samples)])
         return groups
 

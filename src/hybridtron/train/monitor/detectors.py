@@ -84,8 +84,9 @@ class Detector:
 
 
 def mtp_depth_losses(stats: StepStats) -> dict[str, float]:
-    """`mtp_loss_<d>` -> the step's loss of MTP depth d (the names the metrics and the detectors' state use)."""
-    return {f"mtp_loss_{depth}": value for depth, value in enumerate(stats.mtp_losses, start=1)}
+    """`mtp_loss_<d>` -> the step's loss of MTP depth d (the names the metrics and the detectors' state use); a
+    depth without targets this step is left out."""
+    return stats.depth_losses()
 
 
 class NonFinite(Detector):
