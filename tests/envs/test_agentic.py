@@ -73,8 +73,6 @@ def test_tasks_are_deterministic_with_disjoint_splits(name):
         assert not {t.prompt for t in train} & {t.prompt for t in test}
         assert [t.id for t in env.tasks("train", 40, seed=4)] != [t.id for t in train]
         assert {t.difficulty for t in train} == set(env.levels)
-        with pytest.raises(ValueError, match="multi-turn"):
-            env.sft_examples(2)
 
 
 def test_math_python_solved_with_its_tool_and_graded(tokenizer):

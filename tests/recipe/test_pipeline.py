@@ -14,12 +14,13 @@ from hybridtron.cli import main as cli_main
 from hybridtron.envs import get_env
 from hybridtron.envs.math import MathEnv
 from hybridtron.post.mopd_warmup import warmup_conversations
+from hybridtron.recipe import stage as stage_module
 from hybridtron.recipe import stages as S
-from hybridtron.recipe.config import apply_changes, preset_config
 from hybridtron.recipe.pipeline import resolve_config
 from hybridtron.recipe.render import format_table, recovery
-from hybridtron.recipe.stages import (DATA_FILE, HTML_FILE, RESULT_FILE, STAGE_FILE, active_stages, command_line,
-                                      data_draws, fingerprints, pipeline_model, stage_run, upstream,
+from hybridtron.recipe.stage import DATA_FILE, TEACHER_TEMPERATURE
+from hybridtron.recipe.stages import (HTML_FILE, RESULT_FILE, STAGE_FILE, active_stages, apply_changes, command_line,
+                                      data_draws, fingerprints, pipeline_model, preset_config, stage_run, upstream,
                                       write_stage_data)
 
 STAGES = [stage.name for stage in S.STAGES if stage.name != "code_teacher_rl"]  # off in the presets
@@ -230,7 +231,7 @@ def test_the_warmup_data_are_each_teachers_verified_answers(micro_run, tmp_path,
 
     def verified(env, tries):  # the warmup's data (hybridtron.post.mopd_warmup), as the stage draws its math part
         return warmup_conversations([(env, math_draw.examples)], "verified", teacher_for=lambda _: str(teacher),
-                                    seed=math_draw.seed, temperature=S.TEACHER_TEMPERATURE,
+                                    seed=math_draw.seed, temperature=TEACHER_TEMPERATURE,
                                     max_tokens=lambda _: config.eval.max_tokens, tries=tries,
                                     batch_size=config.eval.batch_size)
 
@@ -265,7 +266,7 @@ def test_the_warmup_stage_writes_its_teachers_answers_before_it_runs(tmp_path, m
         return [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                  "domain": env.domain}]
 
-    monkeypatch.setattr(S, "warmup_conversations", answered)
+    monkeypatch.setattr(stage_module, "warmup_conversations", answered)
     lines = []
     assert write_stage_data("mopd_warmup", config, tmp_path, lines.append) == 2
     assert asked == [(str(tmp_path / "math_teacher" / "hf"), "math", 20, "verified", 2),

@@ -63,6 +63,8 @@ from hybridtron.files import atomic_write_text
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system message
+# `enable_thinking` of `render_chat` by the name a configuration or a command line gives it
+THINKING_SWITCH = {"auto": None, "on": True, "off": False}
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # the names transformers reads reasoning under
 IGNORED_FIELDS = ("name", "tool_call_id")  # accepted, not rendered
 MESSAGE_FIELDS = ("role", "content", *REASONING_FIELDS, "tool_calls", *IGNORED_FIELDS)

@@ -2,11 +2,14 @@
 
 Recipe (Nemotron 3 Ultra's SFT stage, at any scale):
 1. Conversations come from JSONL, one `{"messages": [...], "domain": "math"}` per line (`domain` optional;
-   other fields are metadata and ignored), or from a list of such dicts (`conversations_from`; the post layer
-   turns `env:NAME` into such a list). Every message is validated by the chat format (`hybridtron.data.chat`);
-   a mistake names the file, the line and the field. A conversation needs at least one assistant message.
+   `tools`, optional, the OpenAI-style tool declarations the conversation was held with, rendered into its system
+   turn as at inference; other fields are metadata and ignored), or from a list of such dicts
+   (`conversations_from`; the post layer turns `env:NAME` into such a list). Every message is validated by the
+   chat format (`hybridtron.data.chat`); a mistake names the file, the line and the field. A conversation needs
+   at least one assistant message.
 2. Each conversation is rendered in the chat format and tokenized. The loss is on the assistant's tokens only:
-   its answers, tool calls and the `<|im_end|>` that closes each of its turns (so the model learns to stop).
+   its answers, tool calls and the `<|im_end|>` that closes each of its turns (so the model learns to stop); the
+   tool declarations and `tool` messages (the tools' responses) are prompt, never trained.
    Reasoning (`<think>` ... `</think>`, tags included) is masked by default, as the report trained on the answers
    that follow the traces and not on the traces themselves; `train_on_thinking=True` trains on it too.
    Labels follow the model contract (`labels[t]` = the token at t+1 or IGNORE_INDEX), so the last token of a
@@ -49,6 +52,7 @@ from hybridtron.data.batch import TokenBatch
 from hybridtron.data.chat import REASONING_HISTORY, Segment, tokenize_chats, validate_messages
 from hybridtron.data.corpus import jsonl_records
 from hybridtron.data.tokenizer import Tokenizer
+from hybridtron.data.tools import check_tools
 from hybridtron.model.lm import IGNORE_INDEX
 
 STATE_VERSION = 1
@@ -73,7 +77,8 @@ def _conversation(record, where: str, require_reply: bool = True) -> dict:
     domain = record.get("domain")
     if domain is not None and not isinstance(domain, str):
         raise ValueError(f"{where}: 'domain' must be a string, got {type(domain).__name__}")
-    return {"messages": record["messages"], "domain": domain}
+    tools = check_tools(record["tools"], f"{where}: tools") if record.get("tools") else None
+    return {"messages": record["messages"], "domain": domain, "tools": tools}
 
 
 def read_conversations(path: str | os.PathLike, require_reply: bool = True) -> list[dict]:
@@ -172,8 +177,27 @@ class SFTStats:
         return {**asdict(self), "trained_share": self.trained_share}
 
 
-def _key(messages) -> str:
-    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+def _key(conversation: dict) -> str:
+    """A hash of the messages (and of the tools, where declared: a conversation without them hashes as before)."""
+    content = conversation["messages"]
+    if conversation.get("tools"):
+        content = {"messages": content, "tools": conversation["tools"]}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def _tokenize(tokenizer: Tokenizer, conversations: Sequence[dict], reasoning_history: str):
+    """`tokenize_chats` of the conversations, each with its own tools: one batch per distinct declaration."""
+    groups: dict[str, list[int]] = {}
+    for index, conversation in enumerate(conversations):
+        groups.setdefault(json.dumps(conversation.get("tools"), sort_keys=True), []).append(index)
+    chats = [None] * len(conversations)
+    for indices in groups.values():
+        tools = conversations[indices[0]].get("tools")
+        batch = tokenize_chats(tokenizer, [conversations[i]["messages"] for i in indices], tools=tools,
+                               reasoning_history=reasoning_history)
+        for index, chat in zip(indices, batch):
+            chats[index] = chat
+    return chats
 
 
 def tokenize_conversations(conversations: Sequence[dict], tokenizer: Tokenizer, *, seq_len: int,
@@ -185,7 +209,7 @@ def tokenize_conversations(conversations: Sequence[dict], tokenizer: Tokenizer, 
     ids_parts, label_parts, keys = [], [], []
     for start in range(0, len(conversations), _ENCODE_CHUNK):
         chunk = conversations[start:start + _ENCODE_CHUNK]
-        chats = tokenize_chats(tokenizer, [c["messages"] for c in chunk], reasoning_history=reasoning_history)
+        chats = _tokenize(tokenizer, chunk, reasoning_history)
         for conversation, chat in zip(chunk, chats):
             trained = chat.trained(train_on_thinking)
             if len(chat) > seq_len:
@@ -198,7 +222,7 @@ def tokenize_conversations(conversations: Sequence[dict], tokenizer: Tokenizer, 
                 continue
             ids_parts.append(ids.astype(np.int32))
             label_parts.append(np.append(labels, IGNORE_INDEX).astype(np.int32))
-            keys.append(_key(conversation["messages"]))
+            keys.append(_key(conversation))
             stats.tokens += len(ids)
             stats.trained_tokens += int((labels != IGNORE_INDEX).sum())
             stats.thinking_tokens += int((chat.segments[:seq_len] == Segment.THINKING).sum())

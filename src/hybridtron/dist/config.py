@@ -67,8 +67,3 @@ class DistConfig:
             dp_shard = world // others
         return dict(dp_replicate=self.dp_replicate, dp_shard=dp_shard, cp=self.cp, tp=self.tp, pp=self.pp,
                     ep=self.ep, etp=self.etp)
-
-    @property
-    def is_trivial(self) -> bool:
-        """Nothing but (possibly) data parallelism of the default kind."""
-        return self.tp == self.pp == self.cp == self.ep == 1 and self.dp_replicate == 1

@@ -35,6 +35,7 @@ from hybridtron.checkpoint.hf import (
     TOKENIZER_FILES, add_overwrite_argument, load_pretrained, save_pretrained, staged_checkpoint,
 )
 from hybridtron.config import ModelConfig
+from hybridtron.files import RUN_CONFIG
 from hybridtron.model.lm import HybridLM
 
 
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def model_config_of(source: Path, config: str | None) -> ModelConfig:
     """The model config of the DCP checkpoint `source`: `config` (a run_config.json or an HF config.json), else the
     config.json beside it, else its run's run_config.json."""
-    candidates = [Path(config)] if config else [source / "config.json", source.parent.parent / "run_config.json"]
+    candidates = [Path(config)] if config else [source / "config.json", source.parent.parent / RUN_CONFIG]
     path = next((candidate for candidate in candidates if candidate.is_file()), None)
     if path is None:
         raise FileNotFoundError(f"{candidates[-1]}: no model config for {source} (pass --config with a "
@@ -98,7 +99,7 @@ def tokenizer_dir_of(run_dir: Path) -> Path | None:
     """Where a run's tokenizer files are: its HF export, else the model a post-training run began with."""
     if (run_dir / "hf" / "tokenizer.json").is_file():
         return run_dir / "hf"
-    config = run_dir / "run_config.json"
+    config = run_dir / RUN_CONFIG
     raw = json.loads(config.read_text()) if config.is_file() else {}
     base = raw.get("base_model") or raw.get("student")
     if base and (Path(base) / "tokenizer.json").is_file():

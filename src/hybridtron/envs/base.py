@@ -186,8 +186,9 @@ class Environment(ABC):
         """`n` training-split conversations ending in the task's reference turn."""
         if self.tools:
             raise ValueError(f"environment {self.name!r} is multi-turn (tools: "
-                             f"{', '.join(t['function']['name'] for t in self.tools)}): its SFT data are trajectories "
-                             "through the turn loop (hybridtron.post.agentic), not single reference turns")
+                             f"{', '.join(t['function']['name'] for t in self.tools)}): its SFT data are trajectories, "
+                             "not single reference turns; give it expert_plans and an sft_examples that calls "
+                             "hybridtron.envs.agentic_sft.expert_examples")
         examples = []
         for task in self.tasks("train", n, seed):
             if task.reference is None:

@@ -7,18 +7,20 @@ k); 3 counting (the integers up to N divisible by a but not by b; how often a di
 graded as `math` grades (`\\boxed{}` or an "Answer:" line, in child processes with a time limit).
 
 Each task's `reference` is the first turn of a solving trajectory: one `python` call whose program prints the
-answer (what a scripted model, and agentic SFT data, use); the answer itself is `Task.answer`.
+answer; the answer itself is `Task.answer`. `sft_examples` are the expert's trajectories through the real tool,
+successful and failed, each prefixed with its outcome (`hybridtron.envs.agentic_sft`; `expert_plans` below).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import random
 from typing import Sequence
 
+from hybridtron.data.tools import parse_tool_calls
 from hybridtron.envs.agentic import PYTHON_TOOL, SandboxEpisode
+from hybridtron.envs.agentic_sft import FAILURE_SHARE, Plan, call_turn, expert_examples, misspelt, near_miss
 from hybridtron.envs.base import Environment, Episode, Task, register
 from hybridtron.envs.grading import GraderPool, GradingStats
 from hybridtron.envs.math import VERIFIER
@@ -95,9 +97,17 @@ GENERATORS = {1: _product, 2: _range_sum, 3: _counting, 4: _dates}
 
 
 def python_call_turn(code: str, lead: str = "") -> str:
-    """An assistant turn that calls the `python` tool with `code` (the chat format's tool-call layout)."""
-    call = json.dumps({"name": "python", "arguments": {"code": code}}, ensure_ascii=False)
-    return f"{lead}{chr(10) if lead else ''}<tool_call>\n{call}\n</tool_call>"
+    return call_turn("python", {"code": code}, lead)
+
+
+def _answer_turn(value: str, lead: str = "The answer is") -> str:
+    return f"{lead} \\boxed{{{value}}}."
+
+
+def _printed(outputs: list[str]) -> str:
+    """The number the last tool response printed (its last line)."""
+    lines = outputs[-1].strip().splitlines()
+    return lines[-1].strip() if lines else ""
 
 
 @register("math-python")
@@ -112,11 +122,12 @@ class MathPythonEnv(Environment):
     tools = (PYTHON_TOOL,)
     max_turns = 4
 
-    def __init__(self, levels: Sequence[int] = LEVELS, *, workers: int = 1, timeout_s: float = 1.0):
+    def __init__(self, levels: Sequence[int] = LEVELS, *, workers: int = 1, timeout_s: float = 1.0,
+                 failure_share: float = FAILURE_SHARE):
         levels = tuple(levels)
         if not levels or any(level not in GENERATORS for level in levels):
             raise ValueError(f"math-python: levels must be a non-empty subset of {LEVELS}, got {levels}")
-        self.levels = levels
+        self.levels, self.failure_share = levels, failure_share
         self._pool = GraderPool(VERIFIER, workers=workers, timeout_s=timeout_s)
 
     @property
@@ -131,6 +142,37 @@ class MathPythonEnv(Environment):
 
     def episode(self, task: Task) -> Episode:
         return SandboxEpisode(self, task)
+
+    def sft_examples(self, n: int, seed: int = 0) -> list[dict]:
+        """`n` expert trajectories of training tasks, `failure_share` of them failed, each prefixed with its
+        outcome (`hybridtron.envs.agentic_sft`)."""
+        return expert_examples(self, n, seed, failure_share=self.failure_share)
+
+    def expert_plans(self, task: Task, failure: bool, rng: random.Random) -> list[tuple[str, Plan]]:
+        """The expert's ways through `task`, to be tried in order (`agentic_sft.expert_example`). Success: the
+        reference program, then its printed number boxed ("direct"), or first the program with `print` misspelt,
+        its NameError, the fixed program and the answer ("recover", one in four). Failure, one picked first and the
+        others after: an answer estimated without the tool ("guess"), the misspelt program and then a guess
+        ("typo_then_guess"), or the right program and its number copied with a digit wrong ("misread")."""
+        code = parse_tool_calls(task.reference).calls[0].arguments["code"]
+        typo = python_call_turn(code.replace("print(", misspelt("print") + "(", 1), "Let me compute it exactly.")
+        estimate = str(round(int(task.answer), 2 - len(task.answer)))  # two significant digits, as from the head
+        guess = estimate if estimate != task.answer else near_miss(task.answer, rng)
+        plans = {
+            "direct": lambda outputs: _answer_turn(_printed(outputs)) if outputs else task.reference,
+            "recover": lambda outputs: typo if not outputs else python_call_turn(code, "I misspelt print; again:")
+            if len(outputs) == 1 else _answer_turn(_printed(outputs)),
+            "guess": lambda outputs: _answer_turn(guess, "Without running anything, I estimate"),
+            "typo_then_guess": lambda outputs: _answer_turn(guess, "The program failed, so I estimate")
+            if outputs else typo,
+            "misread": lambda outputs: _answer_turn(near_miss(_printed(outputs), rng)) if outputs else task.reference,
+        }
+        if not failure:
+            order = ["recover", "direct"] if rng.random() < 0.25 else ["direct"]
+        else:
+            order = ["guess", "typo_then_guess", "misread"]
+            order.insert(0, order.pop(rng.randrange(len(order))))
+        return [(name, plans[name]) for name in order]
 
     def reward(self, task: Task, completion: str) -> float:
         return self.rewards([task], [completion])[0]

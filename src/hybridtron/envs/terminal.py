@@ -13,6 +13,9 @@ logs at INFO / WARN / ERROR / DEBUG, some in `logs/archive/`), `notes/` (.txt, .
 5. delete every .bak under tmp/ (state: they are gone, the rest is there);
 6. write the number of .csv files under data/ into count.txt (state).
 
+`sft_examples` are an expert's trajectories through the real `bash` tool, successful and failed, each prefixed with
+its outcome (`hybridtron.envs.agentic_sft`; `TerminalEnv.expert_plans`).
+
 Answers are read as `math` reads them (`\\boxed{}` or an "Answer:" line of the final turn). The final state is read
 without following links and without opening anything but regular files (a FIFO or a link the model left behind is
 a mismatch, never a hang or a read outside the directory).
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hybridtron.envs.agentic import BASH_TOOL, SandboxEpisode
+from hybridtron.envs.agentic_sft import FAILURE_SHARE, Plan, call_turn, expert_examples, misspelt, near_miss
 from hybridtron.envs.base import Environment, Episode, Task, register
 from hybridtron.envs.math_verify import extract_answer
 
@@ -60,6 +64,16 @@ SOLUTIONS = {  # the bash command of a solving trajectory, and whether its outpu
     "count": "find data -name '*.csv' | wc -l > count.txt",
 }
 ANSWER_KINDS = ("errors", "most_called", "largest")
+FOLDERS = {"errors": "logs", "most_called": "src", "largest": "data", "rename": "notes", "cleanup": "tmp",
+           "count": "data"}  # what a task is about: the expert lists it first in its "explore" plans
+MISTAKES = {  # a plausible wrong command per kind, and why it is wrong (it may still happen to be right on a tree)
+    "errors": "grep -rc ERROR logs | wc -l",  # counts every file, not the files that contain ERROR
+    "most_called": r"grep -rhoE '[a-z_]+\(' src | sort | uniq -c | head -1 | sed -E 's/^ *[0-9]+ //; s/\($//'",
+    "largest": "ls -S data | head -1",  # a subdirectory sorts by its own size, and files below it are missed
+    "rename": 'for f in notes/*.txt; do mv "$f" "${f%.txt}.md"; done',  # misses notes/old/
+    "cleanup": "rm -f tmp/*",  # deletes the other scratch files too
+    "count": "ls data/*.csv | wc -l > count.txt",  # misses data/extra/
+}
 
 
 def _log_file(rng: random.Random, error: bool) -> str:
@@ -166,6 +180,19 @@ def expected_tree(kind: str, files: dict[str, str]) -> dict[str, str] | None:
     return None
 
 
+def _wrong_answer(kind: str, files: dict[str, str], answer: str, rng: random.Random) -> str:
+    """A wrong answer of the right sort: another count, another defined function, another data file."""
+    if kind == "errors":
+        return near_miss(answer, rng)
+    if kind == "most_called":
+        text = "".join(t for p, t in files.items() if p.startswith("src/"))
+        others = [line[4:line.index("(")] for line in text.splitlines() if line.startswith("def ")
+                  and not line.startswith("def step_")]
+    else:
+        others = [p.split("/")[-1] for p in files if p.startswith("data/")]
+    return rng.choice(sorted(set(others) - {answer}))
+
+
 class TerminalEpisode(SandboxEpisode):
     def setup(self) -> None:
         write_tree(self.workdir, build_tree(json.loads(self.task.state)["seed"]))
@@ -191,20 +218,63 @@ class TerminalEnv(Environment):
     tools = (BASH_TOOL,)
     max_turns = 6
 
-    def __init__(self, levels: Sequence[int] = LEVELS):
+    def __init__(self, levels: Sequence[int] = LEVELS, *, failure_share: float = FAILURE_SHARE):
         levels = tuple(levels)
         if not levels or any(level not in LEVELS for level in levels):
             raise ValueError(f"terminal: levels must be a non-empty subset of {LEVELS}, got {levels}")
-        self.levels = levels
+        self.levels, self.failure_share = levels, failure_share
 
     def generate(self, rng: random.Random) -> Task:
         level = rng.choice(self.levels)
         kind, seed = KINDS[level - 1], rng.randrange(10 ** 6)
         project = f"{PROJECTS[seed % len(PROJECTS)]}-{seed}"
-        call = json.dumps({"name": "bash", "arguments": {"command": SOLUTIONS[kind]}}, ensure_ascii=False)
         return Task(prompt=f"Project {project}. {PROMPTS[kind]}", answer=expected_answer(kind, build_tree(seed)),
                     domain=self.domain, difficulty=level, state=json.dumps({"kind": kind, "seed": seed}),
-                    reference=f"<tool_call>\n{call}\n</tool_call>")
+                    reference=call_turn("bash", {"command": SOLUTIONS[kind]}))
+
+    def sft_examples(self, n: int, seed: int = 0) -> list[dict]:
+        """`n` expert trajectories of training tasks, `failure_share` of them failed, each prefixed with its
+        outcome (`hybridtron.envs.agentic_sft`)."""
+        return expert_examples(self, n, seed, failure_share=self.failure_share)
+
+    def expert_plans(self, task: Task, failure: bool, rng: random.Random) -> list[tuple[str, Plan]]:
+        """The expert's ways through `task`, to be tried in order (`agentic_sft.expert_example`); an answer is the
+        last line the last command printed, boxed, and a state task ends with "Done.". Success: the reference
+        command ("direct"), or first a listing of the folder the task is about ("explore", one in four), or first
+        the command with its program misspelt and its "command not found" ("recover", one in four). Failure, one
+        picked first and the others after: the kind's plausible wrong command (`MISTAKES`, "wrong_command"), the
+        misspelt command and no retry ("typo"), and for an answer, the right command with a wrong reading of it
+        (another count, function or file: "misread")."""
+        state = json.loads(task.state)
+        kind, command = state["kind"], SOLUTIONS[state["kind"]]
+        program, rest = command.split(" ", 1)
+        typo = call_turn("bash", {"command": f"{misspelt(program)} {rest}"})
+        wrong = _wrong_answer(kind, build_tree(state["seed"]), task.answer, rng) if kind in ANSWER_KINDS else None
+
+        def finish(outputs: list[str], answer: str | None = None) -> str:
+            if kind not in ANSWER_KINDS:
+                return "Done."
+            lines = outputs[-1].strip().splitlines() if outputs else []
+            return f"The answer is \\boxed{{{answer or (lines[-1].strip() if lines else '')}}}."
+
+        listing = call_turn("bash", {"command": f"find {FOLDERS[kind]} | sort"}, "First, what is there:")
+        plans = {
+            "direct": lambda outputs: finish(outputs) if outputs else task.reference,
+            "explore": lambda outputs: (listing, task.reference)[len(outputs)] if len(outputs) < 2
+            else finish(outputs),
+            "recover": lambda outputs: (typo, call_turn("bash", {"command": command}, f"I misspelt {program}; again:"))
+            [len(outputs)] if len(outputs) < 2 else finish(outputs),
+            "wrong_command": lambda outputs: finish(outputs) if outputs else call_turn("bash",
+                                                                                       {"command": MISTAKES[kind]}),
+            "typo": lambda outputs: finish(outputs) if outputs else typo,
+            "misread": lambda outputs: finish(outputs, wrong) if outputs else task.reference,
+        }
+        if not failure:
+            order = [rng.choice(("explore", "recover", "direct", "direct")), "direct"]
+            return [(name, plans[name]) for name in dict.fromkeys(order)]
+        order = ["wrong_command", "typo"] + (["misread"] if kind in ANSWER_KINDS else [])
+        order.insert(0, order.pop(rng.randrange(len(order))))
+        return [(name, plans[name]) for name in order]
 
     def episode(self, task: Task) -> Episode:
         if not task.state:

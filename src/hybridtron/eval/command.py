@@ -28,7 +28,7 @@ from hybridtron.checkpoint import load_pretrained
 from hybridtron.checkpoint.hf import resolve_checkpoint_dir
 from hybridtron.config import ModelConfig
 from hybridtron.data.build import split_validation
-from hybridtron.data.chat import load_chat_tokenizer
+from hybridtron.data.chat import THINKING_SWITCH, load_chat_tokenizer
 from hybridtron.envs import env_names, get_env
 from hybridtron.eval.options import check_device, check_output_path
 from hybridtron.eval.positions import (DEFAULT_SOURCE, check_length, checkpoint_with_tokenizer,
@@ -42,7 +42,6 @@ from hybridtron.infer.memory import human_bytes, slot_bytes
 from hybridtron.train.long_context import PHASE_DATA
 from hybridtron.train.preflight import available_memory
 
-THINKING = {"auto": None, "on": True, "off": False}
 # the share of a source's origins held out by default: the long-context phase's data.val_fraction, so that `eval
 # loss` reads documents the phase never trained on
 HELD_OUT = PHASE_DATA.val_fraction
@@ -94,7 +93,7 @@ def add_tasks_arguments(parser: argparse.ArgumentParser) -> None:
                                                                     "it must fit in the model's context (default: "
                                                                     "256)")
     parser.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (default: 32)")
-    parser.add_argument("--thinking", choices=tuple(THINKING), default="auto",
+    parser.add_argument("--thinking", choices=tuple(THINKING_SWITCH), default="auto",
                         help="the generation prompt's thinking switch: auto (the model decides), on (opens <think>), "
                              "off (an empty <think></think>) (default: auto)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task draw and of sampling (default: 0)")
@@ -134,7 +133,7 @@ def run_tasks(args) -> int:
         torch.set_num_threads(args.threads)
     model = load_pretrained(directory, dtype=torch.float32)
     tokenizer = load_chat_tokenizer(directory, vocab_size=model.config.vocab_size, require_template=True)
-    thinking = THINKING[args.thinking]
+    thinking = THINKING_SWITCH[args.thinking]
     results = {}
     with ExitStack() as stack:
         envs = {}

@@ -136,8 +136,6 @@ def probs_from_logits(logits_BV: torch.Tensor, temperature: float = 1.0, top_k: 
     return probs
 
 
-
-
 # ---------------------------------------------------------------------------------------- per-row sampling
 @dataclass
 class RowSampling:

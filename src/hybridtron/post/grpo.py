@@ -186,9 +186,6 @@ class GRPOObjective(RolloutObjective):
 
     headline = ("reward_mean", "reward")
 
-    def __init__(self, config: GRPOConfig, mtp_depths: int, *, parallel=None):
-        super().__init__(config, mtp_depths, parallel)
-
     def row_counts(self, mb) -> list:
         """completion tokens, policy tokens, policy sequences"""
         mask = mb.policy_mask
@@ -257,8 +254,6 @@ class GRPOObjective(RolloutObjective):
                                [m.detach() * scale for m in mtp_losses],
                                token_mean_shares([mb.mtp_targets(d) for d in range(1, len(mtp_losses) + 1)],
                                                  self.counts[3:], scale), ranges)
-
-
 
 
 # ------------------------------------------------------------------------------------------------ the command

@@ -170,10 +170,16 @@ class MixtureRolloutRole(RolloutRole):
         self.curriculum = DomainSampler([t.domain for t in self.tasks], [t.difficulty for t in self.tasks],
                                         self.env.domain_weights)
 
+    def tool_env(self, task):
+        member = self.env.member(task)  # a tool environment's tasks run its turn loop, the others one generation
+        return member if member.tools else None
+
     def step(self, request):
         batch = super().step(request)
         for domain in self.env.domains:
             rows = [r for r in batch.rollouts if r.domain == domain]
             batch.stats[f"reward_mean/{domain}"] = sum(r.reward for r in rows) / max(len(rows), 1)
-            batch.stats[f"response_length/{domain}"] = sum(len(r.completion_ids) for r in rows) / max(len(rows), 1)
+            lengths = [len(r.completion_ids) if r.completion_mask is None else int(r.completion_mask.sum())
+                       for r in rows]  # a trajectory's: the model's tokens
+            batch.stats[f"response_length/{domain}"] = sum(lengths) / max(len(rows), 1)
         return batch

@@ -319,8 +319,6 @@ class MOPDObjective(RolloutObjective):
                                                  depth_counts, scale), ranges)
 
 
-
-
 # ------------------------------------------------------------------------------------------------ warmup
 def warmup_run_config(config: MOPDRunConfig, data_file: Path) -> SFTRunConfig:
     """The warmup as a `hybridtron sft` run of the student on `data_file`."""

@@ -4,7 +4,9 @@ The recipe (Nemotron 3 Ultra's first post-training stage, at any scale):
 
 - Data: conversations from a JSONL file or a directory of them (one `{"messages": [...]}` a line; the chat format
   is hybridtron.data.chat), or `env:NAME`, the worked solutions of a verifiable environment
-  (`hybridtron.envs`: `env.sft_examples(sft.env_examples, sft.seed)` from its levels `sft.env_levels`).
+  (`hybridtron.envs`: `env.sft_examples(sft.env_examples, sft.seed)` from its levels `sft.env_levels`; for a tool
+  environment, `env:math-python` or `env:terminal`, expert trajectories through its real tools, successful and
+  failed, each prefixed with its outcome: `hybridtron.envs.agentic_sft`).
   They are rendered in the chat format with the tokenizer and template of `--model`, masked, packed into rows of
   `sft.seq_len` tokens and split into training and held-out conversations by hybridtron.data.sft.
 - Loss on the assistant's answers, tool calls and the `<|im_end|>` that closes each of its turns; the reasoning
@@ -259,7 +261,7 @@ class SFT(RunCommand):
                     checkpoint=True),
               Input("--data", "data", "conversations: a .jsonl file ({\"messages\": [...]} a line), a directory of "
                                       ".jsonl files, or env:NAME for an environment's worked solutions (env:math, "
-                                      "env:code)"))
+                                      "env:code) or expert trajectories (env:math-python, env:terminal)"))
 
     def default_config(self, args, inputs):
         return SFTRunConfig(model=ModelConfig.from_hf(inputs["base_model"]), **inputs)

@@ -21,7 +21,7 @@ from hybridtron.eval.conversations import held_out_loss
 from hybridtron.eval.tasks import evaluate_env
 from hybridtron.post.mtp_boost.training import acceptance_length
 from hybridtron.recipe.config import PipelineConfig
-from hybridtron.recipe.stages import CODE_DOMAIN, MATH_DOMAIN, domain_share
+from hybridtron.recipe.stage import CODE_DOMAIN, MATH_DOMAIN, domain_share
 
 
 @dataclass

@@ -38,14 +38,13 @@ import torch
 
 from hybridtron.checkpoint.hf import resolve_checkpoint_dir
 from hybridtron.errors import RunInterrupted
+from hybridtron.files import RUN_CONFIG
 from hybridtron.recipe.evaluation import eval_set, evaluate_model, format_row
 from hybridtron.recipe.render import format_table, render_html, summarize
-from hybridtron.recipe.config import (PRESET_STAGES, PipelineConfig, apply_changes, parse_set, preset_config,
-                                      read_pipeline_toml)
-from hybridtron.recipe.stages import (BOOST_PROMPTS, CONFIG_FILE, DATA_FILE, EVAL_FILE, HTML_FILE, RESULT_FILE,
-                                      STAGE_BY_NAME, STAGE_FILE, STAGES, active_stages, check_data_tasks, command_line,
-                                      data_draws, fingerprints, pipeline_toml, read_json, stage_run, validate,
-                                      write_boost_prompts, write_stage_data)
+from hybridtron.recipe.config import PRESET_SECTIONS, PipelineConfig, parse_set, read_pipeline_toml
+from hybridtron.recipe.stages import (CONFIG_FILE, EVAL_FILE, HTML_FILE, RESULT_FILE, STAGE_FILE, apply_changes, base_stage,
+                                      check_data_tasks, command_line, declared, enabled_stages, fingerprints,
+                                      pipeline_toml, preset_config, read_json, stage_run, validate)
 from hybridtron.train.config import section_values
 from hybridtron.train.run import refuse_torchrun
 
@@ -61,9 +60,9 @@ def config_from_file(source, preset: str | None = None, *, in_out: bool = False)
     else tiny. `in_out`: the file is a pipeline directory's own (its errors then offer another --out)."""
     changes = read_pipeline_toml(source)
     named = changes.get("pipeline", {}).get("preset")
-    if named is not None and named not in PRESET_STAGES:
+    if named is not None and named not in PRESET_SECTIONS:
         raise ValueError(f"{source}: [pipeline] preset = {named!r}: unknown pipeline preset; expected one of "
-                         f"{', '.join(PRESET_STAGES)}")
+                         f"{', '.join(PRESET_SECTIONS)}")
     if preset and named and preset != named:
         raise ValueError(f"--preset {preset}: {source} was resolved from the {named} preset; leave --preset "
                          f"out to use it" + (", or choose another --out" if in_out else ""))
@@ -79,7 +78,7 @@ def resolve_config(args) -> PipelineConfig:
         preset_config(args.preset or "tiny")
     if getattr(args, "base", None):
         base = str(resolve_checkpoint_dir(args.base, "--base")[0])  # a run directory: its hf/ export
-        config = apply_changes(config, {"pipeline": {"base_model": base}, "pretrain": {"enabled": False}}, "--base")
+        config = apply_changes(config, {"pipeline": {"base_model": base}, base_stage().name: {"enabled": False}}, "--base")
     if args.overrides:
         overrides = parse_set(args.overrides)
         if "preset" in overrides.get("pipeline", {}):
@@ -92,18 +91,17 @@ def resolve_config(args) -> PipelineConfig:
 def run_stage(name: str, config: PipelineConfig, out: Path, log) -> float:
     """Run (or continue) stage `name`; returns its wall time in seconds, writing its data included."""
     started = time.perf_counter()
-    run_dir = out / name
-    if data_draws(name, config) and not (run_dir / DATA_FILE).is_file():
-        write_stage_data(name, config, out, log)
-    if name == "mtp_boost" and not (run_dir / BOOST_PROMPTS).is_file():
-        write_boost_prompts(config, run_dir / BOOST_PROMPTS)
+    run_dir, writer = out / name, declared()[name].data
+    if writer is not None and writer.writes(name, config.stages[name], config) and \
+            not (run_dir / writer.file).is_file():
+        writer.write(name, config, out, log)
     command, run_config = stage_run(name, config, out)
     command.check(run_config)
     resume = command.has_started(run_dir)
     log(f"[{name}] {'resuming' if resume else 'running'}: {command_line(name, config, out)}"
         + (" --resume" if resume else "") + " --quiet")
     try:
-        saved = type(run_config).load(run_dir / "run_config.json") if resume else None
+        saved = type(run_config).load(run_dir / RUN_CONFIG) if resume else None
         built = command.train_in(run_config, run_dir, resume=resume, quiet=True, saved=saved)
     except RunInterrupted as stopped:
         stopped.resume_command = f"hybridtron pipeline --out {out} (the same configuration: it continues {name})"
@@ -125,7 +123,7 @@ def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str
     prints = fingerprints(config, out)
     # every check before the first stage runs: a change to a finished stage, found after an hour of the stages
     # before it, would waste that hour
-    for name in active_stages(config):
+    for name in (stage.name for stage in enabled_stages(config)):
         record = read_json(out / name / STAGE_FILE)
         if record is not None and record.get("fingerprint") != prints[name]:
             raise ValueError(f"{out / name}: this stage was run with another configuration (or after other upstream "
@@ -135,13 +133,14 @@ def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str
     material = eval_set(config)  # drawn first: an environment without enough test tasks fails now, not in an hour
     check_data_tasks(config)  # and one without enough training tasks for the SFT stages' data
     (out / CONFIG_FILE).write_text(pipeline_toml(config))
-    for name in active_stages(config):
+    for stage in enabled_stages(config):
+        name = stage.name
         record = read_json(out / name / STAGE_FILE)
         if record is not None:
             log(f"[{name}] done ({record['seconds']:.0f}s), skipped")
         else:
             seconds = run_stage(name, config, out, log)
-            record = {"stage": name, "command": STAGE_BY_NAME[name].command.name, "fingerprint": prints[name],
+            record = {"stage": name, "command": stage.command.name, "fingerprint": prints[name],
                       "command_line": command_line(name, config, out), "seconds": seconds,
                       "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             (out / name / STAGE_FILE).write_text(json.dumps(record, indent=2))
@@ -161,7 +160,7 @@ def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str
 
 # ================================================================================================ command
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESET_STAGES),
+    parser.add_argument("--preset", choices=sorted(PRESET_SECTIONS),
                         help="tiny: the real run, sized for 2 CPU cores; micro: a minute, for CI (default: the "
                              "--config file's, or that of the pipeline that ran in --out before, else tiny)")
     parser.add_argument("--out", help="the pipeline's directory: one run directory per stage, pipeline.json, "
@@ -177,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="STAGE.FIELD=VALUE",
                         help="override one field, e.g. --set rlvr.steps=40 --set rlvr.grpo.group_size=8 --set "
                              "eval.math_tasks=200 (repeatable)")
-    parser.add_argument("--stop-after", choices=[stage.name for stage in STAGES],
+    parser.add_argument("--stop-after", choices=list(declared()),
                         help="end after this stage; the rest runs when the pipeline is run again (default: none, "
                              "run every stage)")
     parser.add_argument("--print-config", action="store_true",

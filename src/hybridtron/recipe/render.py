@@ -11,8 +11,8 @@ import html
 from pathlib import Path
 
 from hybridtron.recipe.config import PipelineConfig
-from hybridtron.recipe.stages import (CODE_DOMAIN, EVAL_FILE, MATH_DOMAIN, STAGE_BY_NAME, STAGE_FILE, active_stages,
-                                      read_json, teacher_stages)
+from hybridtron.recipe.stage import CODE_DOMAIN, MATH_DOMAIN, resolve
+from hybridtron.recipe.stages import EVAL_FILE, GOALS, STAGE_FILE, active_stages, enabled_stages, read_json
 from hybridtron.train import report
 
 def recovery(student: float, rlvr: float, teacher: float) -> float | None:
@@ -23,41 +23,28 @@ def recovery(student: float, rlvr: float, teacher: float) -> float | None:
 
 
 def summarize(config: PipelineConfig, out: Path) -> dict:
-    """The stage table, the recovery of each MOPD stage per domain, and the goals of the recipe."""
+    """The stage table, the recovery of each distilled stage per domain (its declared `recovery`), and the goals of
+    the recipe (`GOALS`)."""
     rows = []
-    for name in active_stages(config):
-        record, evaluation = read_json(out / name / STAGE_FILE), read_json(out / name / EVAL_FILE)
+    for stage in enabled_stages(config):
+        record, evaluation = read_json(out / stage.name / STAGE_FILE), read_json(out / stage.name / EVAL_FILE)
         if record is None or evaluation is None:
             continue
-        rows.append({"stage": name, "what": STAGE_BY_NAME[name].what, "train_seconds": record["seconds"],
+        rows.append({"stage": stage.name, "what": stage.what, "train_seconds": record["seconds"],
                      **{k: v for k, v in evaluation.items() if k != "fingerprint"}})
     by_stage = {row["stage"]: row for row in rows}
     metric = {MATH_DOMAIN: "math_pass_at_1", CODE_DOMAIN: "code_pass_rate"}
-    teachers = teacher_stages(config)
     recoveries = {}
-    for name in ("mopd_1", "mopd_2", "mopd_no_warmup"):
-        if name in by_stage and "rlvr" in by_stage:
-            recoveries[name] = {domain: recovery(by_stage[name][key], by_stage["rlvr"][key],
-                                                 by_stage[teachers[domain]][key])
-                                for domain, key in metric.items() if teachers[domain] in by_stage}
-    goals = {}
-    if "sft" in by_stage and "rlvr" in by_stage:
-        sft, rlvr = by_stage["sft"]["math_pass_at_1"], by_stage["rlvr"]["math_pass_at_1"]
-        goals["rlvr_raises_math"] = {"met": rlvr > sft, "sft": sft, "rlvr": rlvr}
-    if "mopd_2" in recoveries:
-        values = recoveries["mopd_2"]
-        goals["mopd_recovers_half"] = {"met": bool(values) and all(v is not None and v >= 0.5 for v in values.values()),
-                                       **values}
-    if "mopd_1" in recoveries and "mopd_no_warmup" in recoveries:
-        def mean(d):
-            kept = [v for v in d.values() if v is not None]
-            return sum(kept) / len(kept) if kept else None
-        with_w, without = mean(recoveries["mopd_1"]), mean(recoveries["mopd_no_warmup"])
-        goals["warmup_helps"] = {"met": with_w is not None and without is not None and with_w > without,
-                                 "with_warmup": with_w, "without_warmup": without}
-    if "mopd_2" in by_stage and "mtp_boost" in by_stage:
-        before, after = by_stage["mopd_2"]["acceptance_length"], by_stage["mtp_boost"]["acceptance_length"]
-        goals["mtp_boost_raises_acceptance"] = {"met": after > before, "before": before, "after": after}
+    for stage in enabled_stages(config):
+        measured = stage.recovery
+        if measured is None or stage.name not in by_stage or measured.baseline.name not in by_stage:
+            continue
+        baseline = by_stage[measured.baseline.name]
+        teachers = {domain: resolve(source, config).name for domain, source in measured.teachers.items()}
+        recoveries[stage.name] = {domain: recovery(by_stage[stage.name][key], baseline[key],
+                                                   by_stage[teachers[domain]][key])
+                                  for domain, key in metric.items() if teachers[domain] in by_stage}
+    goals = {goal.name: checked for goal in GOALS if (checked := goal.check(by_stage, recoveries)) is not None}
     missing = [name for name in active_stages(config) if name not in by_stage]
     total = sum(row["train_seconds"] + row["seconds"] for row in rows)
     return {"stages": rows, "recovery": recoveries, "goals": goals, "missing": missing, "total_seconds": total,

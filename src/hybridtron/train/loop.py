@@ -45,7 +45,7 @@ from hybridtron.dist.parallelize import set_output_reduce_dtype
 from hybridtron.dist.state import checkpoint_state
 from hybridtron.dist.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics, step_ranges
 from hybridtron.errors import RunInterrupted
-from hybridtron.numerics.grad_accum import flush_main_grads, set_output_accumulation
+from hybridtron.numerics.grad_accum import ACCUM_DTYPES, flush_main_grads, set_output_accumulation
 from hybridtron.numerics.linear import load_sr_generator_states, sr_generator_states
 from hybridtron.train.balance import ExpertBalance
 from hybridtron.train.config import TrainConfig
@@ -319,8 +319,7 @@ class Trainer:
         if dtype is not None and dtype != self.config.grad_accum_dtype:
             self.config = dataclasses.replace(self.config, grad_accum_dtype=dtype)
             if self.parallel is not None:  # FSDP: the output layer's dtype is that of its gradient reduction
-
-                set_output_reduce_dtype(self.model, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+                set_output_reduce_dtype(self.model, ACCUM_DTYPES[dtype])
             else:
                 set_output_accumulation(self.model, dtype)
 

@@ -31,6 +31,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridtron.files import RUN_CONFIG
 from hybridtron.train.balance import max_violation_bound
 from hybridtron.train.monitor import EVENTS_FILE, ROLLED_BACK_FILE
 
@@ -140,7 +141,7 @@ def load_run(run_dir: Path) -> RunData:
     if not (run_dir / "metrics.jsonl").exists():
         raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'}: missing (not a run directory, or the run has not "
                                 f"written its first step yet)")
-    config_path = run_dir / "run_config.json"
+    config_path = run_dir / RUN_CONFIG
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
     return RunData(run_dir, read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / ROLLED_BACK_FILE),
                    read_jsonl(run_dir / EVENTS_FILE), config)

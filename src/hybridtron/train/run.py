@@ -59,6 +59,7 @@ from hybridtron.dist.step import DataParallelBatches, full_state_dict
 from hybridtron.errors import RunInterrupted
 from hybridtron.files import METRICS_FILE, RUN_CONFIG
 from hybridtron.model.lm import HybridLM
+from hybridtron.numerics.grad_accum import ACCUM_DTYPES
 from hybridtron.numerics.policy import convert_for_training
 from hybridtron.ops.compile_cache import use_compile_cache
 from hybridtron.train.config import SectionedConfig, change_config, resume_changes
@@ -492,7 +493,7 @@ def assemble_trainer(model, objective, batches, evaluators, *, train, monitor_co
     else:  # under FSDP the output layer's gradient is reduced in grad_accum_dtype instead (see dist.parallelize)
         convert_for_training(model, dataclasses.replace(train, grad_accum_dtype="fp32"))
     model = parallelize(model, parallel, recompute=train.recompute, compile=train.compile,
-                        output_reduce_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[train.grad_accum_dtype])
+                        output_reduce_dtype=ACCUM_DTYPES[train.grad_accum_dtype])
     main = parallel is None or parallel.is_main
     if parallel is not None and main and not quiet:
         print(f"[dist] {parallel.describe()}", file=stream)

@@ -15,6 +15,9 @@ parameter group), every router's MaxVio, then the monitor's signals, and the hel
                                                  is_weight_min, is_weight_max: the rollout-vs-trainer weight)
     maxvio/<router>                              each router's MaxVio (hybridtron.train.balance)
     residual_rms/<layer>                         the residual stream's RMS after each block, on sampled steps
+    tool_calls_per_trajectory, ...               RL on a tool environment: the rollout batch's agentic statistics
+                                                 (turns_per_trajectory, tool_calls_well_formed, tool_errors/<kind>:
+                                                 hybridtron.post.rl.trajectories.trajectory_stats), with the losses
     ...                                          the other signals (hybridtron.train.monitor.signals)
 """
 

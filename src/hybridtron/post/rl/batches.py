@@ -38,7 +38,8 @@ class RolloutMicroBatch:
     """Rows of prompt + completion for the learner's forward, right-padded to the longest row.
 
     input_ids [B, L]: prompt + completion[:-1]; labels [B, L]: the completion token each position predicts,
-    IGNORE_INDEX on the prompt and the padding; rollout_logprobs [B, L] beside them (0 elsewhere); advantages [B];
+    IGNORE_INDEX on the prompt, the padding and a trajectory's tokens not sampled by the model
+    (`Rollout.completion_mask`: tool responses); rollout_logprobs [B, L] beside them (0 elsewhere); advantages [B];
     trained [B]: False for rows of groups whose rewards all agree (they carry no signal and are kept out of the
     policy loss); valid [B, L]: not padding; expert_ids {router: [B, L, K]} (padding: experts 0..K-1); scores
     {name: [B, L, ...]}; stats: the batch's rollout statistics (the same for every micro-batch of the step); domains:
@@ -230,7 +231,8 @@ def rollout_rows(rollouts: list[Rollout], pad_id: int = 0, trained: list[bool] |
             raise ValueError(f"rollout of task {r.task_id} has an empty completion (max_new_tokens must be >= 1)")
         full = torch.tensor(r.prompt_ids + r.completion_ids, dtype=torch.long)
         input_ids[b, :P + C - 1] = full[:-1]
-        labels[b, P - 1:P + C - 1] = full[P:]
+        labels[b, P - 1:P + C - 1] = full[P:] if r.completion_mask is None else \
+            full[P:].masked_fill(~r.completion_mask, IGNORE_INDEX)  # a trajectory's tool responses: not trained
         rollout_logprobs[b, P - 1:P + C - 1] = r.logprobs
         valid[b, :P + C - 1] = True
         for name in names:

@@ -11,12 +11,12 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from hybridtron.data.chat import THINKING_SWITCH
 from hybridtron.dist.vllm_layout import EngineLayout
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.post.rl.engines import ENGINES, WEIGHT_SYNCS
 from hybridtron.post.rl.roles import BACKENDS, check_replicas
 
-THINKING = {"auto": None, "on": True, "off": False}  # the generation prompt's thinking switch
 # Rows of lm_head + log-softmax per block in the RL log-prob passes (`logprob_chunk`, ops/linear_logprobs.py): miles'
 # `--log-probs-chunk-size` default. In rows rather than elements because that is the unit the memory a user budgets
 # for scales with at a given vocabulary: at Ultra's 131,072 a block's fp32 logits are 64 MiB and the intermediates of
@@ -118,7 +118,7 @@ class RolloutConfig:
 
     @property
     def enable_thinking(self) -> bool | None:
-        return THINKING[self.thinking]
+        return THINKING_SWITCH[self.thinking]
 
     def sampling_params(self, seed: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed,
@@ -158,7 +158,7 @@ class RolloutConfig:
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             raise ValueError(f"{section}.vllm_gpu_memory_utilization must be in (0, 1] (a share of each GPU's "
                              f"memory), got {self.vllm_gpu_memory_utilization}")
-        for name, value, choices in (("thinking", self.thinking, THINKING),
+        for name, value, choices in (("thinking", self.thinking, THINKING_SWITCH),
                                      ("rollout_backend", self.rollout_backend, BACKENDS),
                                      ("engine", self.engine, ENGINES), ("weight_sync", self.weight_sync, WEIGHT_SYNCS)):
             if value not in choices:

@@ -1,12 +1,15 @@
 """The held-out evaluation of an RL run: greedy pass@1 of the learner's policy on fixed test-split tasks, at step 0,
-every `eval_every` steps and at the end (`hybridtron.eval.tasks.evaluate_env`). `PolicySnapshot` gives the decoder
-one unsharded copy of the policy, whatever the learner's layout."""
+every `eval_every` steps and at the end (`hybridtron.eval.tasks.evaluate_env`; an environment with tools through its
+turn loop). `PolicySnapshot` gives the decoder one unsharded copy of the policy, whatever the learner's layout."""
 
 from __future__ import annotations
 
 from hybridtron.dist.step import full_state_dict
 from hybridtron.eval.tasks import evaluate_env
+from hybridtron.infer.engine import HybridEngine
+from hybridtron.infer.sampling import SamplingParams
 from hybridtron.model.lm import HybridLM
+from hybridtron.post.agentic import engine_generate, run_episodes
 from hybridtron.train.evaluate import Evaluator
 
 
@@ -42,7 +45,10 @@ def evaluate_on_main(trainer, snapshot: PolicySnapshot, evaluate) -> dict[str, f
 
 class HeldOutAccuracy(Evaluator):
     """Greedy pass@1 of the learner on fixed test-split tasks of one environment, overall and per difficulty
-    level, plus the mean reward and completion length. Its history is the run's pass@1 curve."""
+    level, plus the mean reward and completion length. Its history is the run's pass@1 curve. An environment with
+    tools is measured through its turn loop (`hybridtron.post.agentic.run_episodes`, on hybridtron's engine over a
+    copy of the policy; each turn `max_tokens`, each trajectory the policy's context), the length counting the
+    model's tokens."""
 
     key = "pass_at_1"
 
@@ -55,11 +61,32 @@ class HeldOutAccuracy(Evaluator):
 
     def measure(self, model) -> dict[str, float]:
         """The metrics of one unsharded `model` (put in eval mode)."""
+        if self.env.tools:
+            return self.measure_episodes(model)
         result = evaluate_env(model, self.tokenizer, self.env, self.tasks, max_tokens=self.max_tokens,
                               batch_size=self.batch_size, enable_thinking=self.enable_thinking)
         return {self.key: result.pass_at_1, "eval_mean_reward": result.mean_reward,
                 "eval_response_length": result.mean_completion_tokens,
                 **{f"pass_at_1/L{level}": value for level, value in result.by_difficulty.items()}}
+
+    def measure_episodes(self, model) -> dict[str, float]:
+        """`measure` of a tool environment: greedy trajectories, `batch_size` at a time."""
+        model.eval()
+        generate = engine_generate(HybridEngine.from_model(model, self.tokenizer, speculative=False))
+        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens)
+        trajectories = []
+        for start in range(0, len(self.tasks), self.batch_size):
+            trajectories += run_episodes(generate, self.tokenizer, self.env, self.tasks[start:start + self.batch_size],
+                                         params, token_budget=model.config.max_position_embeddings,
+                                         enable_thinking=self.enable_thinking)
+        levels: dict[int, list[bool]] = {}
+        for trajectory in trajectories:
+            levels.setdefault(trajectory.task.difficulty, []).append(trajectory.reward == 1.0)
+        n = len(trajectories)
+        return {self.key: sum(t.reward == 1.0 for t in trajectories) / n,
+                "eval_mean_reward": sum(t.reward for t in trajectories) / n,
+                "eval_response_length": sum(t.model_tokens for t in trajectories) / n,
+                **{f"pass_at_1/L{level}": sum(v) / len(v) for level, v in sorted(levels.items())}}
 
     def evaluate(self, trainer) -> dict[str, float]:
         values = evaluate_on_main(trainer, self.snapshot, self.measure)

@@ -12,7 +12,7 @@ role's output comes back to the learner, first in, first out:
 Every message (an item, new weights, a role's state) enters at the first role and travels down the chain in the
 order the learner sent it, so "weights of version v, then request r" reaches the rollout role in that order, and
 what each request was computed with is fixed by the learner's order of calls, never by timing. That is what makes
-the asynchronous runs reproducible: the staleness bound is a property of the protocol (hybridtron.post.grpo's
+the asynchronous runs reproducible: the staleness bound is a property of the protocol (hybridtron.post.rl.batches'
 `RolloutBatches` keeps at most `staleness + 1` requests in flight and publishes the weights before each new one),
 not of how fast a process happens to be.
 

@@ -9,7 +9,9 @@ The rollout role (`RolloutRole`, one step per optimizer step of the learner):
 2. samples `group_size` completions of each with the section's rollout engine (`engine`: hybridtron's own or
    vLLM, hybridtron.post.rl.engines; `generate(prompts, params, n=G, version=..., expert_ids=routing_replay)`, MTP
    speculative drafts on by default), keeping the engine's per-token log-probs and, for routing replay, the experts
-   every backbone MoE layer chose for every token; the engine must hold the weights of the role's version;
+   every backbone MoE layer chose for every token; the engine must hold the weights of the role's version (a task
+   of an environment with tools: G trajectories through its turn loop instead, each one rollout whose tool
+   responses are not trained, graded by its episode: hybridtron.post.rl.trajectories);
 3. grades them with the environment (`env.rewards`) and computes each group's advantages
    (`hybridtron.post.losses.group_advantages`);
 4. dynamic sampling (DAPO): a group whose rewards all agree carries no signal and is dropped, and new prompts are
@@ -44,6 +46,7 @@ from hybridtron.envs import Environment, get_env
 from hybridtron.post.losses import group_advantages
 from hybridtron.post.rl.engines import rollout_engine
 from hybridtron.post.rl.roles import Role, WorkShare
+from hybridtron.post.rl.trajectories import TrajectorySample, sample_trajectories, trajectory_stats
 
 ROLLOUT_ROLE = "rollout"
 
@@ -63,7 +66,9 @@ class Rollout:
     logprobs: float32 [C], the engine's log-probability of each completion token under the distribution it was
       sampled from (temperature, top-k, top-p). expert_ids: {backbone router name: int16 [P + C - 1, K]}, row t
       the experts chosen for the token at position t of prompt + completion, or None without routing replay.
-    scores: per-token tensors [C, ...] added by scoring roles under their name (e.g. "teacher" in MOPD: log-probs)."""
+    scores: per-token tensors [C, ...] added by scoring roles under their name (e.g. "teacher" in MOPD: log-probs).
+    completion_mask: bool [C], the tokens the model sampled, for a multi-turn trajectory (the tool responses between
+      its turns are not trained: hybridtron.post.rl.trajectories); None: every completion token."""
 
     task_id: str
     domain: str
@@ -76,6 +81,7 @@ class Rollout:
     advantage: float = 0.0
     expert_ids: dict[str, torch.Tensor] | None = None
     scores: dict[str, torch.Tensor] = field(default_factory=dict)
+    completion_mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -193,6 +199,7 @@ class RolloutRole(Role):
         # the weights come from the learner (`load_weights`), before the first request
         self.engine = rollout_engine(config, model_dir=model_dir, model_config=model_config, tokenizer=self.tokenizer)
         self.env = load_env(env, **env_options)
+        self.token_budget = model_config.max_position_embeddings  # a trajectory's, prompt and tool responses included
         self.tasks = self.env.tasks("train", config.task_pool, config.seed)
         self.curriculum = PassRateCurriculum([t.difficulty for t in self.tasks], target=config.curriculum_target,
                                              sigma=config.curriculum_sigma, ema=config.curriculum_ema,
@@ -222,7 +229,7 @@ class RolloutRole(Role):
         cfg = self.config
         groups, used, last_round = [], set(), []
         totals = dict(samples=0, tokens=0, truncated=0, generate_s=0.0, grade_s=0.0, drafts=0, verify_steps=0,
-                      dropped=0, rewards=[], lengths=[])
+                      dropped=0, rewards=[], lengths=[], trajectories=[])
         rounds = 0
         while True:
             generator = torch.Generator().manual_seed(step_seed(cfg.seed, request.index, rounds))
@@ -258,6 +265,8 @@ class RolloutRole(Role):
             "curriculum_pass_rate": float(self.curriculum.pass_rates().mean()),
             "rollout_ranks": float(self.share.world if self.share is not None else 1),
         }
+        if totals["trajectories"]:
+            stats.update(trajectory_stats(totals["trajectories"]))
         if totals["verify_steps"]:
             stats["mtp_acceptance_length"] = (totals["drafts"] + totals["verify_steps"]) / totals["verify_steps"]
         return RolloutBatch(index=request.index, policy_version=self.version, group_size=cfg.group_size,
@@ -287,39 +296,85 @@ class RolloutRole(Role):
             totals[key] += part[key]
         for samples in completions:
             for c in samples:
+                trajectory = isinstance(c, TrajectorySample)
+                generated = c.generated if trajectory else len(c.token_ids)
                 totals["samples"] += 1
-                totals["tokens"] += len(c.token_ids)
-                totals["truncated"] += c.finish_reason != "stop"
-                totals["lengths"].append(len(c.token_ids))
+                totals["tokens"] += generated
+                totals["truncated"] += c.finish_reason not in ("stop", "answer")
+                totals["lengths"].append(generated)
+                if trajectory:
+                    totals["trajectories"].append(c)
         totals["rewards"] += rewards
         return self._groups(picked, completions, rewards)
 
+    def tool_env(self, task) -> Environment | None:
+        """The multi-turn environment whose turn loop samples `task`'s rollouts (hybridtron.post.rl.trajectories),
+        or None: one generation, graded by `env.rewards`."""
+        return self.env if self.env.tools else None
+
     def _generate_and_grade(self, picked: list[int], seed: int, first_prompt: int) -> dict:
         """The completions of the prompts `picked` (positions `first_prompt`.. of the round's list, which fixes
-        their noise keys) and their rewards, with the time each took and the MTP drafts accepted."""
+        their noise keys) and their rewards, with the time each took and the MTP drafts accepted. The prompts of a
+        tool environment go through its turn loop (after the others, in the order picked, one loop per
+        environment), whose rewards come with its trajectories."""
         cfg = self.config
-        part = {"completions": [], "rewards": [], "generate_s": 0.0, "grade_s": 0.0, "drafts": 0, "verify_steps": 0}
+        part = {"completions": [None] * len(picked), "rewards": [None] * len(picked), "generate_s": 0.0,
+                "grade_s": 0.0, "drafts": 0, "verify_steps": 0}
         if not picked:
             return part
+        by_env: dict[int, tuple[Environment, list[int]]] = {}
+        single = []
+        for j, i in enumerate(picked):
+            env = self.tool_env(self.tasks[i])
+            if env is None:
+                single.append(j)
+            else:
+                by_env.setdefault(id(env), (env, []))[1].append(j)
+        if single:
+            self._generate_single_turn(picked, single, seed, first_prompt, part)
+        offset = first_prompt + len(single)
+        for env, rows in by_env.values():
+            started = time.perf_counter()
+            groups, drafted = sample_trajectories(
+                self.engine, self.tokenizer, env, [self.tasks[picked[j]] for j in rows], cfg.sampling_params(seed),
+                group_size=cfg.group_size, version=self.version, expert_ids=cfg.routing_replay, first_prompt=offset,
+                token_budget=self.token_budget, enable_thinking=cfg.enable_thinking)
+            part["generate_s"] += time.perf_counter() - started  # the tool calls and grading included
+            for key in drafted:
+                part[key] += drafted[key]
+            for j, samples in zip(rows, groups):
+                part["completions"][j], part["rewards"][j] = samples, [c.reward for c in samples]
+            offset += len(rows)
+        part["rewards"] = [r for rewards in part["rewards"] for r in rewards]
+        return part
+
+    def _generate_single_turn(self, picked: list[int], rows: list[int], seed: int, first_prompt: int,
+                              part: dict) -> None:
+        """Generate and grade the prompts `picked[j]` for j in `rows` into `part` (positions `j` of its lists)."""
+        cfg = self.config
+        indices = [picked[j] for j in rows]
         started = time.perf_counter()
-        part["completions"] = self.engine.generate([self.prompt_ids(i) for i in picked], cfg.sampling_params(seed),
-                                                   n=cfg.group_size, version=self.version,
-                                                   expert_ids=cfg.routing_replay, first_prompt=first_prompt)
-        part["generate_s"] = time.perf_counter() - started
+        completions = self.engine.generate([self.prompt_ids(i) for i in indices], cfg.sampling_params(seed),
+                                           n=cfg.group_size, version=self.version, expert_ids=cfg.routing_replay,
+                                           first_prompt=first_prompt)
+        part["generate_s"] += time.perf_counter() - started
         stats = getattr(self.engine, "last_stats", None)  # MTP acceptance of this generation, when it drafted
         if stats is not None and getattr(stats, "steps", 0):
-            part["drafts"], part["verify_steps"] = stats.accepted, stats.steps
+            part["drafts"] += stats.accepted
+            part["verify_steps"] += stats.steps
         texts, tasks = [], []
         opening = "<think>\n" if cfg.enable_thinking is True else ""  # the generation prompt wrote it
-        for i, samples in zip(picked, part["completions"]):
+        for i, samples in zip(indices, completions):
             for c in samples:
                 ended = c.finish_reason == "stop"  # the end token closes the completion: not part of its text
                 texts.append(opening + self.tokenizer.decode(c.token_ids[:-1] if ended else c.token_ids))
                 tasks.append(self.tasks[i])
         started = time.perf_counter()
-        part["rewards"] = self.env.rewards(tasks, texts)
-        part["grade_s"] = time.perf_counter() - started
-        return part
+        rewards = self.env.rewards(tasks, texts)
+        part["grade_s"] += time.perf_counter() - started
+        G = cfg.group_size
+        for n, (j, samples) in enumerate(zip(rows, completions)):
+            part["completions"][j], part["rewards"][j] = samples, rewards[n * G:(n + 1) * G]
 
     def _groups(self, picked: list[int], completions, rewards: list[float]) -> list[list[Rollout]]:
         """The graded completions as groups of `Rollout`s, with their advantages; the curriculum updated."""
@@ -337,7 +392,8 @@ class RolloutRole(Role):
                 completion_ids=list(c.token_ids), logprobs=c.logprobs, finish_reason=c.finish_reason,
                 reward=float(rewards_PG[p, g]), advantage=float(advantages_PG[p, g]),
                 expert_ids={name: ids.to(torch.int16) for name, ids in c.expert_ids.items()}
-                if c.expert_ids else None)  # a dense model's ({}: no router) replays nothing
+                if c.expert_ids else None,  # a dense model's ({}: no router) replays nothing
+                completion_mask=c.model_mask if isinstance(c, TrajectorySample) else None)
                 for g, c in enumerate(samples)])
         return groups
 
