@@ -79,6 +79,22 @@ def small_config():
     return _small_config
 
 
+def _pretrain_config(*overrides: str, preset: str | None = None, config: str | Path | None = None):
+    from hybridtron.cli import build_parser
+    from hybridtron.train.pretrain import COMMAND
+
+    argv = ["pretrain", *(["--preset", preset] if preset else []), *(["--config", str(config)] if config else []),
+            *(arg for override in overrides for arg in ("--set", override))]
+    return COMMAND.resolve(build_parser(load="pretrain").parse_args(argv))[0]
+
+
+@pytest.fixture(scope="session")
+def pretrain_config():
+    """`pretrain_config(*overrides, preset=, config=)`: the RunConfig `hybridtron pretrain [--preset P] [--config F]
+    --set OVERRIDE ...` runs with, resolved by the run scaffold as the command line is."""
+    return _pretrain_config
+
+
 def _decoding_model(config: ModelConfig) -> HybridLM:
     model = HybridLM(config).eval()
     with torch.no_grad():

@@ -22,6 +22,7 @@ from hybridtron.cli import main
 from hybridtron.data.chat import save_tokenizer_files
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.dist.convert import load_dcp_model
+from hybridtron.dist.mesh import Parallel
 from hybridtron.files import METRICS_FILE, RUN_CONFIG
 from hybridtron.model.lm import HybridLM
 from hybridtron.train.run import export_model
@@ -173,7 +174,7 @@ def test_a_runs_export_replaces_its_own_and_keeps_a_users_file(run, small_config
     hf_dir = run / "hf"
     (hf_dir / "notes.txt").write_text("mine")
     model = HybridLM(small_config(vocab_size=512))
-    assert export_model(SimpleNamespace(model=model, parallel=None), hf_dir, tokenizer)
+    assert export_model(SimpleNamespace(model=model, parallel=Parallel.single_process()), hf_dir, tokenizer)
     exported = load_pretrained(hf_dir).state_dict()
     assert all(torch.equal(exported[name], tensor) for name, tensor in model.state_dict().items())
     assert (hf_dir / "notes.txt").read_text() == "mine"
@@ -186,7 +187,8 @@ def test_a_runs_export_refuses_an_hf_directory_holding_something_else(tmp_path, 
     hf_dir.mkdir(parents=True)
     (hf_dir / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"hf is not empty and holds no checkpoint \(notes.txt\)"):
-        export_model(SimpleNamespace(model=HybridLM(small_config()), parallel=None), hf_dir, tokenizer)
+        export_model(SimpleNamespace(model=HybridLM(small_config()), parallel=Parallel.single_process()), hf_dir,
+                     tokenizer)
     assert [p.name for p in hf_dir.iterdir()] == ["notes.txt"]
 
 

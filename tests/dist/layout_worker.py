@@ -22,7 +22,7 @@ import torch
 
 from hybridtron.data.batch import TokenBatch
 from hybridtron.dist.config import DistConfig
-from hybridtron.dist.mesh import init_parallel
+from hybridtron.dist.mesh import Parallel, init_parallel
 from hybridtron.dist.parallelize import parallelize
 from hybridtron.dist.step import DataParallelBatches
 from hybridtron.model.lm import HybridLM
@@ -112,7 +112,8 @@ def train(parallel, steps: int = STEPS, *, recompute: str = "none", compile_back
     train_config = TrainConfig(steps=steps, grad_accum=GRAD_ACCUM, lr=3e-3, warmup_steps=2, grad_clip=1.0,
                                precision=precision)
     convert_for_training(model, train_config)
-    model = parallelize(model, parallel, recompute=recompute, compile=compile_backend is not None,
+    model = parallelize(model, Parallel.single_process() if parallel is None else parallel, recompute=recompute,
+                        compile=compile_backend is not None,
                         compile_backend=compile_backend or "inductor",
                         output_reduce_dtype=torch.bfloat16 if grad_accum_dtype == "bf16" else torch.float32)
     batches = SyntheticBatches(config.vocab_size, documents=documents)

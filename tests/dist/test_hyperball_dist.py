@@ -22,7 +22,7 @@ from layout_worker import BATCH, GRAD_ACCUM, SEED, SEQ, SyntheticBatches, model_
 
 from hybridtron.checkpoint.dcp import CheckpointManager
 from hybridtron.dist.config import DistConfig
-from hybridtron.dist.mesh import init_parallel
+from hybridtron.dist.mesh import Parallel, init_parallel
 from hybridtron.dist.parallelize import parallelize
 from hybridtron.dist.step import DataParallelBatches, full_state_dict
 from hybridtron.model.lm import HybridLM
@@ -37,7 +37,8 @@ WORLD, STEPS = 2, 3
 def trainer(parallel, optimizer: str, checkpoints=None) -> Trainer:
     torch.manual_seed(SEED)
     config = model_config()
-    model = parallelize(HybridLM(config) if parallel is None else HybridLM.on_meta(config), parallel)
+    model = parallelize(HybridLM(config) if parallel is None else HybridLM.on_meta(config),
+                        Parallel.single_process() if parallel is None else parallel)
     batches, objective = SyntheticBatches(config.vocab_size), PretrainObjective()
     if parallel is not None:
         batches = DataParallelBatches(batches, parallel, config.mtp_depths)
@@ -48,9 +49,8 @@ def trainer(parallel, optimizer: str, checkpoints=None) -> Trainer:
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    if trainer.parallel is None:
-        return {name: tensor.detach().clone() for name, tensor in trainer.model.state_dict().items()}
-    return full_state_dict(trainer.model, trainer.parallel, everywhere=True)
+    return {name: tensor.detach().clone()
+            for name, tensor in full_state_dict(trainer.model, trainer.parallel, everywhere=True).items()}
 
 
 def compare(got: dict, want: dict, tolerance: float, what: str):

@@ -7,7 +7,6 @@ import pytest
 from hybridtron.cli import main as cli_main
 from hybridtron.dist.config import DistConfig
 from hybridtron.dist.mesh import check_run_layout, init_parallel
-from hybridtron.train.config import build_run_config
 
 
 def check(config, model, world, batch_size=4, grad_accum=2, seq_len=32):
@@ -79,7 +78,7 @@ def test_a_single_process_with_the_default_layout_builds_no_process_group(small_
     import torch.distributed as dist
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert init_parallel(DistConfig(), small_config(), batch_size=4, grad_accum=1, seq_len=32) is None
+    assert init_parallel(DistConfig(), small_config(), batch_size=4, grad_accum=1, seq_len=32).distributed is False
     assert not dist.is_initialized()
 
 
@@ -95,7 +94,7 @@ def test_one_torchrun_process_on_cpu_builds_a_process_group_only_when_a_backend_
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     args = dict(batch_size=4, grad_accum=1, seq_len=32)
-    assert init_parallel(DistConfig(backend="gloo"), small_config(), **args) is None  # not launched by torchrun
+    assert not init_parallel(DistConfig(backend="gloo"), small_config(), **args).distributed  # not launched by torchrun
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
@@ -103,7 +102,7 @@ def test_one_torchrun_process_on_cpu_builds_a_process_group_only_when_a_backend_
                         "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(name, value)
     if not torch.cuda.is_available():
-        assert init_parallel(DistConfig(), small_config(), **args) is None
+        assert init_parallel(DistConfig(), small_config(), **args).distributed is False
         assert not dist.is_initialized()
     parallel = init_parallel(DistConfig(backend="gloo"), small_config(), **args)
     try:
@@ -113,19 +112,19 @@ def test_one_torchrun_process_on_cpu_builds_a_process_group_only_when_a_backend_
         parallel.close()
 
 
-def test_dist_section_parses_and_validates():
-    config = build_run_config("tiny", overrides=["dist.tp=2", "dist.ep=4", "dist.pp_schedule=gpipe"])
+def test_dist_section_parses_and_validates(pretrain_config):
+    config = pretrain_config("dist.tp=2", "dist.ep=4", "dist.pp_schedule=gpipe")
     assert (config.dist.tp, config.dist.ep, config.dist.dp_shard, config.dist.pp_schedule) == (2, 4, -1, "gpipe")
     assert "[dist]" in config.to_toml()
     with pytest.raises(ValueError, match="dist.dp_shard must be >= 1 or -1"):
-        build_run_config("tiny", overrides=["dist.dp_shard=0"])
+        pretrain_config("dist.dp_shard=0")
     with pytest.raises(ValueError, match="dist.pp_schedule must be one of"):
-        build_run_config("tiny", overrides=["dist.pp_schedule=zigzag"])
-    assert build_run_config("tiny", overrides=["dist.cp_attention=ring"]).dist.cp_attention == "ring"
+        pretrain_config("dist.pp_schedule=zigzag")
+    assert pretrain_config("dist.cp_attention=ring").dist.cp_attention == "ring"
     with pytest.raises(ValueError, match="dist.cp_attention must be one of all-gather, ring, got 'alltoall'"):
-        build_run_config("tiny", overrides=["dist.cp_attention=alltoall"])
+        pretrain_config("dist.cp_attention=alltoall")
     with pytest.raises(ValueError, match="unknown dist fields"):
-        build_run_config("tiny", overrides=["dist.sp=2"])
+        pretrain_config("dist.sp=2")
 
 
 def test_pretrain_rejects_a_bad_layout_before_writing_anything(tmp_path, capsys, monkeypatch):

@@ -10,6 +10,7 @@ import torch
 
 from hybridtron.dist.context_parallel import shard_sequence
 from hybridtron.dist.expert_parallel import expert_major_order
+from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.parallelize import parallelize
 from hybridtron.dist.ring_attention import own_chunks
 from hybridtron.dist.state import canonical_name
@@ -50,7 +51,7 @@ def test_global_grad_norms_in_one_process_are_torchs(small_config):
     ids = torch.randint(3, 128, (2, 16))
     model(ids, torch.roll(ids, -1, 1)).loss.backward()
     named = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
-    total, groups = global_grad_norms(named, None, parameter_group)
+    total, groups = global_grad_norms(named, Parallel.single_process(), parameter_group)
     assert torch.allclose(total, torch.nn.utils.get_total_norm([g for _, g in named]), rtol=1e-6)
     reference = group_norms(named)
     assert groups.keys() == reference.keys()
@@ -68,7 +69,7 @@ def loss_and_grads(model, ids):
 def test_activation_checkpointing_keeps_the_loss_and_gradients(small_config, recompute):
     torch.manual_seed(0)
     model = HybridLM(small_config())
-    checkpointed = parallelize(copy.deepcopy(model), None, recompute=recompute)
+    checkpointed = parallelize(copy.deepcopy(model), Parallel.single_process(), recompute=recompute)
     ids = torch.randint(3, 128, (2, 16))
     loss, grads = loss_and_grads(model, ids)
     loss_ac, grads_ac = loss_and_grads(checkpointed, ids)
@@ -85,7 +86,7 @@ def test_a_meta_built_model_is_materialized_with_the_weights_one_process_draws(s
     built = HybridLM(small_config())
     after_build = torch.get_rng_state()
     torch.manual_seed(5)
-    materialized = parallelize(HybridLM.on_meta(small_config()), None, recompute="full")
+    materialized = parallelize(HybridLM.on_meta(small_config()), Parallel.single_process(), recompute="full")
     assert torch.equal(torch.get_rng_state(), after_build)
     weights = {canonical_name(name): tensor for name, tensor in materialized.state_dict().items()}
     assert weights.keys() == built.state_dict().keys()
@@ -97,7 +98,7 @@ def test_materializing_a_tensor_without_an_initializer_is_refused(small_config):
     model.backbone.layers[0].extra = torch.nn.Linear(4, 4, device="meta")
     with pytest.raises(ValueError, match=r"no initializer for backbone\.layers\.0\.extra\.bias, "
                                          r"backbone\.layers\.0\.extra\.weight"):
-        parallelize(model, None)
+        parallelize(model, Parallel.single_process())
 
 
 def test_compile_traces_every_layer_kind_in_fp32(small_config):
@@ -106,7 +107,7 @@ def test_compile_traces_every_layer_kind_in_fp32(small_config):
     torch.manual_seed(0)
     model = HybridLM(small_config())
     assert set(model.config.layers_block_type) == {"linear_attention", "full_attention", "moe", "mlp"}
-    compiled = parallelize(copy.deepcopy(model), None, compile=True, compile_backend="aot_eager")
+    compiled = parallelize(copy.deepcopy(model), Parallel.single_process(), compile=True, compile_backend="aot_eager")
     ids = torch.randint(3, 128, (2, 16))
     loss, grads = loss_and_grads(model, ids)
     loss_c, grads_c = loss_and_grads(compiled, ids)

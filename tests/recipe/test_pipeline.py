@@ -143,6 +143,8 @@ def test_a_change_to_a_finished_stage_is_refused_before_the_stages_before_it_run
     (["--set", "sft.train.lr=fast"], "[sft] (sft): train.lr: expected float"),
     (["--set", "pretrain.model.mamba_num_heads=5"], "mamba_num_heads (5) must be divisible by n_groups"),
     (["--set", "mtp_boost.boost.bogus=1"], "[mtp_boost] (mtp-boost): unknown boost fields ['bogus']"),
+    (["--set", "rlvr.optim.lr=1"], "[rlvr] (grpo): optim.lr: unknown section 'optim'; expected one of"),
+    (["--set", "rlvr.model.hidden_size=8"], "[rlvr] (grpo): model.hidden_size: [model] cannot be set here"),
     (["--set", "nope.steps=1"], "unknown section [nope]"),
     (["--set", "rlvr.stepz=3"], "[rlvr] has no field(s) ['stepz']"),
     (["--set", "rlvr.teacher_samples=2"], "[rlvr] has no field(s) ['teacher_samples']"),

@@ -46,11 +46,12 @@ def test_a_stage_declared_here_runs_through_validate_command_line_and_render(tmp
                 inputs={"base_model": S.RLVR, "data": "env:code"}, fixed={"sft.env_levels": LEVELS},
                 presets={"tiny": preset(7, {"sft.train_on_thinking": True}),
                          "micro": preset(3, {"sft.env_examples": 40, "sft.seq_len": 256, "sft.batch_size": 1})})
-    monkeypatch.setattr(S, "STAGES", (*S.STAGES, toy))
+    monkeypatch.setattr(S, "STAGES", (toy, *S.STAGES))  # declared first: its place follows from its inputs
     config = S.apply_changes(preset_config("micro"), parse_set(["toy_code_sft.sft.seed=5", "toy_code_sft.steps=4"]),
                              "--set")
     S.validate(config)
-    assert S.upstream("toy_code_sft", config) == ["rlvr"] and active_stages(config)[-1] == "toy_code_sft"
+    order = active_stages(config)
+    assert S.upstream("toy_code_sft", config) == ["rlvr"] and order.index("toy_code_sft") == order.index("rlvr") + 1
     line = command_line("toy_code_sft", config, tmp_path)
     assert line.startswith(f"hybridtron sft --model {tmp_path / 'rlvr' / 'hf'} --data env:code ")
     assert "--set train.steps=4" in line and "--set sft.env_levels=1" in line and "--set sft.seed=5" in line
@@ -75,9 +76,17 @@ def test_a_stage_declared_here_runs_through_validate_command_line_and_render(tmp
             {"math_pass_at_1": 0.1, "code_pass_rate": 0.2, "code_pass_at_1": 0.0, "val_loss": 1.0,
              "acceptance_length": 1.5, "seconds": 2.0}))
     result = summarize(config, out)
-    assert result["stages"][-1]["what"] == toy.what and result["missing"] == []
+    assert [row["what"] for row in result["stages"]].count(toy.what) == 1 and result["missing"] == []
     assert "| toy_code_sft |" in format_table(result)
     assert "toy_code_sft" in render_html(result, out)
+
+
+def test_stages_that_read_each_other_are_refused(monkeypatch):
+    loop = Stage(name="loop", command=sft.COMMAND, what="reads itself", inputs={"base_model": S.SFT})
+    object.__setattr__(loop, "inputs", {"base_model": loop})
+    monkeypatch.setattr(S, "STAGES", (*S.STAGES, loop))
+    with pytest.raises(ValueError, match="the stages loop read each other's models"):
+        S.declared()
 
 
 def test_the_presets_settings_are_typed_and_their_fingerprints_unchanged(tmp_path):

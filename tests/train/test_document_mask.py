@@ -44,7 +44,7 @@ def test_a_masked_pretraining_step_is_the_model_loss_under_a_hand_made_mask(shor
     out = short_documents / "run"
     out.mkdir()
     trainer = build_pretraining(config, out, None, quiet=True).trainer
-    bos = trainer.batches.loader.bos_id
+    bos = trainer.batches.batches.loader.bos_id  # the loader under this rank's rows (DataParallelBatches)
 
     # the step's batch, read ahead and put back
     position = trainer.batches.state_dict()

@@ -18,7 +18,7 @@ from hybridtron.checkpoint.dcp import GOOD, CheckpointManager, step_of
 from hybridtron.model.lm import HybridLM
 from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
 from hybridtron.train import hooks as H
-from hybridtron.train.config import RunConfig, TrainConfig, build_run_config
+from hybridtron.train.config import RunConfig, TrainConfig
 from hybridtron.train.evaluate import HeldOutLoss
 from hybridtron.train.loop import Trainer
 from hybridtron.train.monitor import (
@@ -285,19 +285,19 @@ def test_monitor_config_rejects_mistakes_by_name():
                                                                      5: ["router_bias"]}
 
 
-def test_a_disabled_monitor_adds_no_hook(tmp_path, small_config):
-    run = build_run_config(overrides=["monitor.enabled=false", "monitor.inject_fault=nan_grad@3"])
+def test_a_disabled_monitor_adds_no_hook(tmp_path, small_config, pretrain_config):
+    run = pretrain_config("monitor.enabled=false", "monitor.inject_fault=nan_grad@3")
     monitor, faults = build_monitor(run.monitor, tmp_path, small_config())
     assert isinstance(monitor, NoMonitor) and faults is None
 
 
-def test_monitor_section_in_run_config(tmp_path):
-    run = build_run_config(overrides=["monitor.on_mtp_leads=rollback", "monitor.loss_spike_sigma=4"])
+def test_monitor_section_in_run_config(tmp_path, pretrain_config):
+    run = pretrain_config("monitor.on_mtp_leads=rollback", "monitor.loss_spike_sigma=4")
     assert run.monitor.on_mtp_leads == "rollback" and run.monitor.loss_spike_sigma == 4.0
     run.save(tmp_path / "run_config.json")
     assert RunConfig.load(tmp_path / "run_config.json").monitor == run.monitor
     with pytest.raises(ValueError, match="monitor"):
-        build_run_config(overrides=["monitor.no_such_field=1"])
+        pretrain_config("monitor.no_such_field=1")
     raw = json.loads((tmp_path / "run_config.json").read_text())
     del raw["monitor"]  # a run configured before the monitor existed
     (tmp_path / "old.json").write_text(json.dumps(raw))

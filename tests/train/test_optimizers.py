@@ -13,7 +13,7 @@ import torch
 
 from hybridtron.checkpoint.dcp import CheckpointManager
 from hybridtron.model.lm import HybridLM
-from hybridtron.train.config import RunConfig, TrainConfig, build_run_config, resume_changes
+from hybridtron.train.config import RunConfig, TrainConfig, resume_changes
 from hybridtron.train.loop import Trainer
 from hybridtron.train.optimizers import MatrixOptimizer, build_optimizer, parameter_split, short_name
 
@@ -242,9 +242,9 @@ def test_a_trainer_resumes_from_a_checkpoint_bit_for_bit(tmp_path, small_config)
     assert all(torch.equal(weights[n], p) for n, p in whole.model.named_parameters())
 
 
-def test_errors_are_one_line(small_config):
+def test_errors_are_one_line(small_config, pretrain_config):
     with pytest.raises(ValueError, match=r"train.optimizer must be one of adamw, adamh, muonh, muon, got 'sgd'"):
-        build_run_config(overrides=["train.optimizer=sgd"])
+        pretrain_config("train.optimizer=sgd")
     model = HybridLM(small_config())
     with torch.no_grad():
         model.backbone.layers[1].mixer.o_proj.weight.zero_()

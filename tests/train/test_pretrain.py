@@ -21,7 +21,6 @@ from hybridtron.config import HYBRIDTRON_H
 from hybridtron.files import METRICS_FILE
 from hybridtron.train import pretrain
 from hybridtron.train.run import complete_steps
-from hybridtron.train.config import build_run_config
 
 # A small, quick run: a few stdlib families, short rows, tiny batches.
 FAST = ["--set", "data.families=json,text,functional", "--set", "data.seq_len=64", "--set", "data.batch_size=4",
@@ -154,10 +153,10 @@ def test_keep_last_k_checkpoints(tmp_path):
     assert [p.name for p in manager.list()] == ["step_000003", "step_000004"]
 
 
-def test_run_config_overrides_and_toml(tmp_path):
+def test_run_config_overrides_and_toml(tmp_path, pretrain_config):
     toml = tmp_path / "run.toml"
     toml.write_text('[train]\nlr = 1e-3\nsteps = 7\n[data]\nseq_len = 32\n[model]\nhidden_size = 128\n')
-    config = build_run_config("tiny", str(toml), ["train.lr=3e-4", "data.families=json,csv", "train.grad_accum=2"])
+    config = pretrain_config("train.lr=3e-4", "data.families=json,csv", "train.grad_accum=2", config=toml)
     assert config.train.lr == 3e-4 and config.train.steps == 7 and config.train.grad_accum == 2
     assert config.data.seq_len == 32 and config.data.families == ("json", "csv")
     assert config.model.hidden_size == 128

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hybridtron.cli import main
-from hybridtron.train.config import RunConfig, build_run_config, tomllib
+from hybridtron.train.config import RunConfig, tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 # A quick run: a few stdlib families, short rows, tiny batches, 2 steps.
@@ -87,28 +87,28 @@ def print_config(capsys, *args: str) -> str:
 
 
 @pytest.mark.parametrize("preset", ["tiny", "nano3"])
-def test_print_config_is_a_toml_file_that_config_reads_back(preset, tmp_path, capsys):
+def test_print_config_is_a_toml_file_that_config_reads_back(preset, tmp_path, capsys, pretrain_config):
     text = print_config(capsys, "--preset", preset, "--set", "train.lr=1e-3", "--set", "data.families=json")
     path = tmp_path / "run.toml"
     path.write_text(text)
-    expected = build_run_config(preset, overrides=["train.lr=1e-3", "data.families=json"])
-    assert build_run_config(toml_path=str(path)) == expected, "the file carries the whole model, whatever --preset"
+    expected = pretrain_config("train.lr=1e-3", "data.families=json", preset=preset)
+    assert pretrain_config(config=path) == expected, "the file carries the whole model, whatever --preset"
     assert print_config(capsys, "--config", str(path)) == text
     assert "# peak learning rate" in text and "[monitor]" in text, "fields come with their comments"
 
 
-def test_a_runs_run_config_json_is_accepted_by_config(finished_run, capsys):
+def test_a_runs_run_config_json_is_accepted_by_config(finished_run, capsys, pretrain_config):
     saved = finished_run / "run_config.json"
     text = print_config(capsys, "--config", str(saved))
     assert text == RunConfig.load(saved).to_toml()
-    assert build_run_config(toml_path=str(saved)) == RunConfig.load(saved)
+    assert pretrain_config(config=saved) == RunConfig.load(saved)
     assert RunConfig.load(saved).train.steps == 2 and RunConfig.load(saved).model.vocab_size == 512
 
 
-def test_the_example_config_is_the_quickstarts(capsys):
+def test_the_example_config_is_the_quickstarts(capsys, pretrain_config):
     """configs/tiny.toml: what `--print-config` prints for the quickstart, every field of every section in it."""
     path = ROOT / "configs" / "tiny.toml"
-    assert build_run_config(toml_path=str(path)) == build_run_config("tiny")
+    assert pretrain_config(config=path) == pretrain_config()
     written = tomllib.loads(path.read_text())
     expected = tomllib.loads(print_config(capsys, "--preset", "tiny"))
     assert {section: sorted(values) for section, values in written.items()} == \

@@ -16,6 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridtron.data.batch import TokenBatch
+from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.parallelize import parallelize
 from hybridtron.model.lm import HybridLM
 from hybridtron.ops import linear_cross_entropy as linear_cross_entropy_module
@@ -56,7 +57,8 @@ def pretraining_trainer(model, tmp_path, **train):
     """A single-process trainer as `hybridtron pretrain` assembles it (no monitor, no checkpoints)."""
     return assemble_trainer(model, PretrainObjective(), OneRow(*rows()), [],
                             train=TrainConfig(steps=1, warmup_steps=0, **train),
-                            monitor_config=MonitorConfig(enabled=False), out=tmp_path, checkpoints=None, quiet=True)
+                            monitor_config=MonitorConfig(enabled=False), out=tmp_path, checkpoints=None, quiet=True,
+                            parallel=Parallel.single_process())
 
 
 def checkpointed_units(model) -> dict[str, bool]:
@@ -142,7 +144,7 @@ def test_pretraining_loss_never_holds_the_logits_of_a_row(small_config, monkeypa
     ids, labels = rows()
     model = HybridLM(small_config(vocab_size=VOCAB))
     weight_elements = model.lm_head.weight.numel()  # [V, D]: its gradient has the vocab as a dimension too
-    model = parallelize(model, None, recompute=recompute)
+    model = parallelize(model, Parallel.single_process(), recompute=recompute)
     for fused_head in (True, False):
         # the control reads the logits eagerly: compiling its CE would only slow the test
         objective = PretrainObjective(compile_loss=compile_loss and fused_head, fused_head=fused_head)

@@ -19,7 +19,7 @@ import pytest
 
 from hybridtron.cli import main as cli_main
 from hybridtron.train import report
-from hybridtron.train.config import build_run_config
+from hybridtron.train.config import RunConfig, change_config
 
 N_PLOTS = len(report.PLOTS)
 
@@ -32,8 +32,8 @@ def fake_run(run_dir: Path, steps: int = 60, nvfp4: bool = False, partial_line: 
     rng = random.Random(0)
     run_dir.mkdir(parents=True)
     precision = "nvfp4" if nvfp4 else "fp32"
-    (run_dir / "run_config.json").write_text(json.dumps(build_run_config(
-        overrides=[f"train.precision={precision}", f"train.steps={steps}"]).to_dict(), default=str))
+    (run_dir / "run_config.json").write_text(json.dumps(change_config(
+        RunConfig(), overrides=[f"train.precision={precision}", f"train.steps={steps}"]).to_dict(), default=str))
     lines, aside = [{"step": 0, "val_loss": 8.3}], []
     for step in range(1, steps + 1):
         loss = 3 + 5 * math.exp(-step / 15) + rng.gauss(0, 0.1)

@@ -39,11 +39,11 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, parallel: Parallel | None) -> nn.Module:
-    """Allocate `model`'s meta tensors on this rank's device (the CPU without `parallel`) and fill each with its
+def materialize(model: nn.Module, parallel: Parallel) -> nn.Module:
+    """Allocate `model`'s meta tensors on this rank's device and fill each with its
     part of the single-process initialization (module docstring). `model` is a meta-built HybridLM after
     `parallelize`: cut to this rank's pipeline stages, sharded, wrapped, or as built."""
-    device = parallel.device if parallel is not None else torch.device("cpu")
+    device = parallel.device
     model.to_empty(device=device)
     local = {canonical_name(name): tensor
              for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())}

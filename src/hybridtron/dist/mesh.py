@@ -12,10 +12,12 @@ One world mesh, viewed three ways (torchtitan's ParallelDims, with the expert di
              group, and an EP group strides over the ranks that share a TP coordinate
 
 Ranks are pp-major with tp innermost, as the planner places them, so a TP group is tp consecutive ranks.
-`init_parallel` reads torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK); a plain process gets None and trains
-without any process group, and so does one torchrun process on CPU unless `dist.backend` names a backend. One
-torchrun process on a GPU is a world of one: a one-GPU run trains on the same path as many. A layout the planner
-rejects fails here with the planner's one-line reason, before any process group exists.
+`init_parallel` reads torchrun's environment (WORLD_SIZE, RANK, LOCAL_RANK). A plain process, and one torchrun
+process on CPU unless `dist.backend` names a backend, is a world of one without any process group
+(`Parallel.single_process`, as torchtitan's `ParallelDims` at world_size 1: every degree 1, every collective the
+identity), and trains on the same trainer, step and export path as many. One torchrun process on a GPU is a world of
+one with a process group: a one-GPU run trains on the same path as many. A layout the planner rejects fails here
+with the planner's one-line reason, before any process group exists.
 """
 
 from __future__ import annotations
@@ -116,6 +118,21 @@ class Parallel:
     meshes: dict[str, DeviceMesh]  # "dense" (DENSE_DIMS), "experts" (EXPERT_DIMS) and their views (build_meshes)
     pipeline: object | None = None  # pp > 1: the `pipeline.Pipeline` that `parallelize` built for this rank
 
+    @classmethod
+    def single_process(cls, device: torch.device | str = "cpu", config: DistConfig | None = None) -> Parallel:
+        """One process as a world of one with no process group (torchtitan's `ParallelDims` at world_size 1): every
+        degree 1, rank 0 the main rank, no meshes, and every collective the identity, so a plain process runs the
+        same trainer, step and export code as a distributed one."""
+        config = DistConfig() if config is None else config
+        return cls(config=config, layout=Layout(**config.degrees(1)), rank=0, world=1, device=torch.device(device),
+                   meshes={})
+
+    @property
+    def distributed(self) -> bool:
+        """A process group exists, so the model is FSDP-wrapped and its gradients are sharded (a world of one
+        under torchrun included); False for `single_process`."""
+        return bool(self.meshes)
+
     # ------------------------------------------------------------------------------------------------ ranks
     @property
     def is_main(self) -> bool:
@@ -124,8 +141,9 @@ class Parallel:
 
     def describe(self) -> str:
         """One line for the run's log: how many processes, on which device and backend, in which layout."""
+        backend = dist.get_backend() if self.distributed else "no process group"
         line = f"{self.world} process{'es' if self.world > 1 else ''} on {self.device.type} " \
-               f"({dist.get_backend()}), layout {self.layout}"
+               f"({backend}), layout {self.layout}"
         if self.config.offload_optimizer:
             line += ("; optimizer offload: fp32 weight shards, gradients and AdamW state in pinned host memory, the "
                      "optimizer step on the CPU" if self.device.type == "cuda" else
@@ -133,7 +151,7 @@ class Parallel:
         return line
 
     def coordinate(self, dim: str) -> int:
-        return self.meshes["dense"].get_local_rank(dim)
+        return self.meshes["dense"].get_local_rank(dim) if self.distributed else 0
 
     @property
     def data_rank(self) -> int:
@@ -144,9 +162,10 @@ class Parallel:
     def pp_rank(self) -> int:
         return self.coordinate("pp")
 
-    def group(self, name: str) -> dist.ProcessGroup:
-        """The process group of a dense mesh dimension or flattened view (`data`, `tokens`, `tp`, `pp`, ...)."""
-        return self.meshes[name].get_group()
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of a dense mesh dimension or flattened view (`data`, `tokens`, `tp`, `pp`, ...); None
+        in a single process, which has no groups."""
+        return self.meshes[name].get_group() if self.distributed else None
 
     # --------------------------------------------------------------------------------------- collectives
     def sum_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -164,24 +183,50 @@ class Parallel:
 
     def broadcast_object(self, obj, src: int = 0):
         """`obj` of global rank `src` on every rank."""
+        if self.world == 1:
+            return obj
         holder = [obj if self.rank == src else None]
         dist.broadcast_object_list(holder, src=src)
         return holder[0]
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, obj)
+        return everyone
 
     def merge_over_stages(self, values: dict) -> dict:
         """Under PP, every stage's `values` merged in stage order (each stage measures its own layers); as is
         otherwise."""
         if self.layout.pp == 1:
             return values
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, values)
         merged = {}
-        for part in everyone:
+        for part in self.gather_objects(values):
             merged.update(part)
         return merged
 
+    def max_over_world(self, value: int) -> int:
+        """The largest of every rank's `value`."""
+        if self.world == 1:
+            return value
+        flag = torch.tensor([value], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag)
+
+    def mean_over_tokens(self, values: list[float]) -> list[float]:
+        """The mean of each value over the ranks of this rank's pipeline stage (each holds as many of its own
+        tokens)."""
+        if self.world == 1 or not values:
+            return values
+        means = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(means, group=self.group("tokens"))
+        return (means / dist.get_world_size(self.group("tokens"))).tolist()
+
     def barrier(self) -> None:
-        dist.barrier()
+        if self.world > 1:
+            dist.barrier()
 
     @contextlib.contextmanager
     def main_first(self):
@@ -196,7 +241,7 @@ class Parallel:
         """At the end of a run, on every rank: wait until every rank's collectives are done (a rank that tears its
         gloo connections down while a peer still reads from them, or exits with collective work pending, can abort
         the interpreter at exit), then destroy the process groups."""
-        if dist.is_initialized():
+        if self.distributed and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 
@@ -221,17 +266,17 @@ def _backend(config: DistConfig, device: torch.device) -> str:
 
 
 def init_parallel(config: DistConfig, model: ModelConfig, *, batch_size: int, grad_accum: int, seq_len: int,
-                  timeout_s: float = 600.0, context_parallel: bool = False) -> Parallel | None:
+                  timeout_s: float = 600.0, context_parallel: bool = False) -> Parallel:
     """Check the layout, then start the process group on this rank's device (cuda:LOCAL_RANK where CUDA is present
-    and `backend` is not gloo, else the CPU) and build the meshes. None for a plain process, and for one torchrun
-    process on CPU with `backend=auto`: those train with no process group. One torchrun process on CUDA (a
-    one-GPU run), or with a named backend, is a world of one on the distributed path."""
+    and `backend` is not gloo, else the CPU) and build the meshes. A plain process, and one torchrun process on CPU
+    with `backend=auto`, get `Parallel.single_process`: a world of one with no process group. One torchrun process
+    on CUDA (a one-GPU run), or with a named backend, is a world of one with a process group."""
     world, rank, _ = world_from_env()
     layout = check_run_layout(config, model, world, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
                               context_parallel=context_parallel)
     device = run_device(config)
     if without_process_group(config, world):
-        return None
+        return Parallel.single_process(device, config)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = _backend(config, device)

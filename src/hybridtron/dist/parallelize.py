@@ -110,25 +110,26 @@ def _wrap(block: nn.Module, recompute: str) -> nn.Module:
     return block
 
 
-def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str = "none", compile: bool = False,
+def parallelize(model: nn.Module, parallel: Parallel, *, recompute: str = "none", compile: bool = False,
                 output_reduce_dtype: torch.dtype = torch.float32, seq_len: int = 4096,
                 compile_backend: str = "inductor") -> nn.Module:
     """Apply PP, TP, EP, CP, activation checkpointing, compile and FSDP (module docstring) to `model` in place, and
     materialize it if it was built on the meta device; returns it (under PP: this rank's stage model, and
-    `parallel.pipeline` runs it). With `parallel` None (a
-    single process) only checkpointing and compile apply. `seq_len` weighs attention in the pipeline cut;
+    `parallel.pipeline` runs it). In a single process (`Parallel.single_process`) only checkpointing and compile
+    apply. `seq_len` weighs attention in the pipeline cut;
     `compile_backend` is torch.compile's (tests trace with "aot_eager", which skips code generation)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
-    layout = parallel.layout if parallel is not None else None
+    layout = parallel.layout
     views = None
-    if layout is not None and layout.pp > 1:
+    if layout.pp > 1:
         stage_indices, cuts, num_stages = cut_for_rank(model, parallel, seq_len)
-    if layout is not None and layout.cp > 1:  # before TP, which wraps the forward of the class it finds
+    if layout.cp > 1:  # before TP, which wraps the forward of the class it finds
         apply_context_parallel(model, parallel.group("cp"), parallel.config.cp_attention)
-    if layout is not None and layout.tp > 1:
+    if layout.tp > 1:
         apply_tensor_parallel(model, parallel)
-    if layout is not None and (layout.ep > 1 or layout.etp > 1 or parallel.config.ep_capacity_factor > 0):
+    # expert parallelism's token exchange (and its capacity limit) runs over a process group
+    if parallel.distributed and (layout.ep > 1 or layout.etp > 1 or parallel.config.ep_capacity_factor > 0):
         apply_expert_parallel(model, parallel.meshes["ep_etp"], parallel.config.ep_capacity_factor)
     if compile:
         # every block runs one code object (Block.forward, or the checkpoint wrapper's), and dynamo keeps one graph
@@ -141,14 +142,14 @@ def parallelize(model: nn.Module, parallel: Parallel | None, *, recompute: str =
         if compile:
             block.compile(backend=compile_backend)
         _set(parent, key, block)
-    if layout is not None and layout.pp > 1:
+    if layout.pp > 1:
         views = [StageView(model, cuts[i], first=i == 0, last=i == num_stages - 1) for i in stage_indices]
-    if parallel is not None:
+    if parallel.distributed:  # FSDP shards over a process group; one without any keeps its weights whole
         apply_fsdp(model, parallel, output_reduce_dtype, roots=views)
     if views is not None:
         parallel.pipeline = Pipeline(model, views, stage_indices, num_stages, parallel, parallel.config.pp_schedule)
     if is_meta(model):
-        if parallel is not None and parallel.config.offload_optimizer:
+        if parallel.config.offload_optimizer:
             materialize_offloaded(model, parallel)
         else:
             materialize(model, parallel)

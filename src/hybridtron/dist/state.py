@@ -18,7 +18,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from hybridtron.dist.mesh import Parallel
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -42,11 +41,11 @@ def packings(model: torch.nn.Module) -> dict:
     return getattr(model, "_tp_packings", {})
 
 
-def checkpoint_state(state: dict, model: torch.nn.Module, parallel: Parallel | None) -> dict:
+def checkpoint_state(state: dict, model: torch.nn.Module) -> dict:
     """`state` ({"model": ..., "optimizer": ...} from get_state_dict) with every TP-packed tensor replaced by a
     view in the single-process layout; the rest is shared, not copied."""
     packed = packings(model)
-    if parallel is None or not packed:
+    if not packed:  # only TP packs tensors
         return state
     model_state = dict(state["model"])
     optimizer_state = {**state["optimizer"], "state": dict(state["optimizer"]["state"])}

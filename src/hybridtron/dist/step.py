@@ -89,12 +89,12 @@ class DataParallelBatches:
         self.batches.load_state_dict(state)
 
 
-def held_out_shares(batches: list[TokenBatch], parallel: Parallel | None):
+def held_out_shares(batches: list[TokenBatch], parallel: Parallel):
     """(held-out `TokenBatch`es, a sum over the ranks that share them) for an evaluator: under context parallelism
     each batch cut to this rank's chunks of its positions (`share_of_batch` with no lookahead: evaluation scores
     the next token only) and the cp group's sum, which puts a batch's CE sum and target count back together;
     otherwise the batches unchanged and None."""
-    if parallel is None or parallel.layout.cp == 1:
+    if parallel.layout.cp == 1:
         return batches, None
     rank, size = parallel.coordinate("cp"), parallel.layout.cp
     return [share_of_batch(as_token_batch(batch), rank, size, 0) for batch in batches], parallel.sum_over_context
@@ -157,14 +157,14 @@ def _local_and_copies(grad: torch.Tensor, stage_world: int) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
-def global_grad_norms(named_grads: list[tuple[str, torch.Tensor]], parallel: Parallel | None,
+def global_grad_norms(named_grads: list[tuple[str, torch.Tensor]], parallel: Parallel,
                       group_of=None) -> tuple[torch.Tensor, dict[str, float]]:
     """(global L2 norm as a 0-d tensor, per-group norms by `group_of(canonical name)`) of possibly sharded
     gradients; one all-reduce of [1 + groups] float64 values over the world."""
     groups = [] if group_of is None else list(dict.fromkeys(group_of(canonical_name(n)) for n, _ in named_grads))
-    if parallel is not None and group_of is not None:  # pipeline stages hold different groups: agree on all
+    if group_of is not None:  # pipeline stages hold different groups: agree on all
         groups = list(parallel.merge_over_stages(dict.fromkeys(groups)))
-    stage_world = parallel.world // parallel.layout.pp if parallel is not None else 1
+    stage_world = parallel.world // parallel.layout.pp
     device = named_grads[0][1].device if named_grads else torch.device("cpu")
     squares = torch.zeros(1 + len(groups), dtype=torch.float64, device=device if device.type != "meta" else "cpu")
     locals_, copies = zip(*(_local_and_copies(g, stage_world) for _, g in named_grads)) if named_grads else ((), ())
@@ -174,7 +174,7 @@ def global_grad_norms(named_grads: list[tuple[str, torch.Tensor]], parallel: Par
         squares[0] += value
         if group_of is not None:
             squares[1 + groups.index(group_of(canonical_name(name)))] += value
-    if parallel is not None:
+    if parallel.world > 1:
         dist.all_reduce(squares)
     roots = squares.sqrt()
     return roots[0].float(), dict(zip(groups, roots[1:].tolist()))

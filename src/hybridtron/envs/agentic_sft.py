@@ -58,9 +58,10 @@ def outcome_messages(messages: Sequence[dict], outcome: str) -> list[dict]:
     return [{"role": "system", "content": line}, *messages]
 
 
-def play(env: Environment, task: Task, plan: Plan) -> tuple[Trajectory, float]:
-    """The trajectory of `plan` on `task` through a fresh episode of `env`, and the verifier's score of it. A plan
-    that still calls tools after the environment's `max_turns` is a bug of the expert: ValueError."""
+def play(env: Environment, task: Task, plan: Plan) -> Trajectory:
+    """The trajectory of `plan` on `task` through a fresh episode of `env` (its turns and tool results, text only:
+    no tokens), with the verifier's score as its `reward`. A plan that still calls tools after the environment's
+    `max_turns` is a bug of the expert: ValueError."""
     trajectory = Trajectory(task=task, token_ids=[], model_mask=[], logprobs=[], prompt_length=0)
     with env.episode(task) as episode:
         outputs: list[str] = []
@@ -80,7 +81,7 @@ def play(env: Environment, task: Task, plan: Plan) -> tuple[Trajectory, float]:
             raise ValueError(f"{env.name}: an expert plan for task {task.id} still calls tools after "
                              f"{env.max_turns} turns")
         trajectory.reward = float(episode.reward(trajectory.final))
-    return trajectory, trajectory.reward
+    return trajectory
 
 
 def expert_example(env: Environment, task: Task, outcome: str, seed: int) -> dict | None:
@@ -88,8 +89,8 @@ def expert_example(env: Environment, task: Task, outcome: str, seed: int) -> dic
     it (`env.expert_plans(task, failure, rng)`, rng seeded by task and seed) that reaches it; None if none does."""
     rng = random.Random(f"{env.name}/sft/{seed}/{task.id}")
     for name, plan in env.expert_plans(task, outcome == "failure", rng):
-        trajectory, reward = play(env, task, plan)
-        if (reward >= 1.0) == (outcome == "success"):
+        trajectory = play(env, task, plan)
+        if (trajectory.reward >= 1.0) == (outcome == "success"):
             messages = trajectory.conversation(outcome_messages(env.prompt_messages(task), outcome))
             return {"messages": messages, "tools": list(env.tools), "domain": task.domain, "outcome": outcome,
                     "plan": name, "task": task.id}

@@ -80,7 +80,6 @@ from hybridtron.post.rl.roles import RoleSpec
 from hybridtron.post.rl.rollout import RolloutRole, load_env
 from hybridtron.train.config import SectionedConfig, TrainConfig
 from hybridtron.train.monitor.config import MonitorConfig
-from hybridtron.train.objectives import ObjectiveOutput, token_mean_shares
 from hybridtron.train.run import Input
 
 # [train] defaults of GRPO over pretraining's: a small constant LR after a short warmup (RL recipes decay nothing),
@@ -226,10 +225,6 @@ class GRPOObjective(RolloutObjective):
             policy_loss = logp.sum() * 0.0
             _, policy_metrics = grpo_loss(logp.detach(), old, mb.advantages, mask, 1.0, loss_cfg,
                                           rollout_logp=rollout_logp, ref_logp=ref_logp, entropy=entropy)
-        loss = policy_loss
-        mtp_losses = self.mtp_losses(outputs, mb, self.counts[3:])
-        if mtp_losses:
-            loss = loss + cfg.mtp_loss_weight * torch.stack(mtp_losses).mean()
         # the trainer logs the mean over micro-batches of each metric: scale each share by their number
         # (the rollout-vs-trainer mismatch and the entropy over every completion token, the rest over the policy's)
         scale, share = self.micro_batches, tokens / global_tokens if global_tokens > 0 else 0.0
@@ -244,16 +239,11 @@ class GRPOObjective(RolloutObjective):
                                               loss_cfg.correction_level)
         engine_metrics = {**mismatch_metrics(old, rollout_logp, completion, out_of_bounds),
                           "entropy": masked_mean(entropy, completion)}
-        metrics = {"loss": loss.detach() * scale, "policy_loss": policy_loss.detach() * scale,
-                   **{key: value.float() * share * scale for key, value in policy_metrics.items()
+        metrics = {**{key: value.float() * share * scale for key, value in policy_metrics.items()
                       if key not in engine_metrics},
                    **{key: value.float() * completion_share * scale for key, value in engine_metrics.items()},
                    "policy_tokens": torch.tensor(global_tokens / self.data_ranks, dtype=torch.float32)}
-        metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
-        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), expert_counts or {},
-                               [m.detach() * scale for m in mtp_losses],
-                               token_mean_shares([mb.mtp_targets(d) for d in range(1, len(mtp_losses) + 1)],
-                                                 self.counts[3:], scale), ranges)
+        return self.objective_output(outputs, mb, policy_loss, metrics, ranges, self.counts[3:], expert_counts)
 
 
 # ------------------------------------------------------------------------------------------------ the command

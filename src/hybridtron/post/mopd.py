@@ -88,7 +88,6 @@ from hybridtron.post.teachers import (TEACHER_SCORE, TEACHER_TOPK_IDS, TEACHER_T
                                       TeacherScoringRole)
 from hybridtron.train.config import SectionedConfig, TrainConfig
 from hybridtron.train.monitor.config import MonitorConfig
-from hybridtron.train.objectives import ObjectiveOutput, token_mean_shares
 from hybridtron.train.run import (Input, complete_steps, export_model, has_checkpoints, is_main_process,
                                   restarted_by_torchrun, unfinished_run)
 
@@ -266,7 +265,7 @@ class MOPDObjective(RolloutObjective):
         """The MOPD loss and metrics of a micro-batch from the student's outputs (`__call__` runs the forward
         first; a pipeline's last stage calls it with (logits, *MTP logits), and its expert counts are then the
         pipeline's)."""
-        cfg, loss_cfg = self.config, self.loss_config
+        loss_cfg = self.loss_config
         if TEACHER_SCORE not in mb.scores:
             raise ValueError("MOPD micro-batch without teacher log-probs: the teacher-scoring role did not run")
         if loss_cfg.kl_top_k and TEACHER_TOPK_IDS not in mb.scores:
@@ -289,17 +288,11 @@ class MOPDObjective(RolloutObjective):
                                                 behav_logp=mb.rollout_logprobs, topk_kl=topk_kl)
         ranges = {"ratio": policy_metrics.pop("ratio_range")} if "ratio_range" in policy_metrics else {}
         ranges["is_weight"] = masked_range((prox - mb.rollout_logprobs).exp(), mask)  # c's extremes: is_weight_max
-        loss = policy_loss
-        depth_counts = self.counts[2 + len(self.domains):]
-        mtp_losses = self.mtp_losses(outputs, mb, depth_counts)
-        if mtp_losses:
-            loss = loss + cfg.mtp_loss_weight * torch.stack(mtp_losses).mean()
         entropy = scored.entropy.detach()
         # the trainer logs the mean over micro-batches: each share scaled by their number
         scale, share = self.micro_batches, float(mask.sum()) / total_tokens
         per_token = {"teacher_logp": teacher, "student_logp": logp.detach(), "entropy": entropy}
-        metrics = {"loss": loss.detach() * scale, "policy_loss": policy_loss.detach() * scale,
-                   **{key: value.float() * share * scale for key, value in policy_metrics.items()},
+        metrics = {**{key: value.float() * share * scale for key, value in policy_metrics.items()},
                    **{key: masked_mean(value, mask) * share * scale for key, value in per_token.items()},
                    "completion_tokens": torch.tensor(total_tokens / self.data_ranks, dtype=torch.float32)}
         per_domain = {"reverse_kl": logp.detach() - teacher.float()}
@@ -312,11 +305,8 @@ class MOPDObjective(RolloutObjective):
                 value = torch.where(domain_mask, per_token, 0.0).sum() / domain_tokens if domain_tokens else \
                     torch.zeros(())
                 metrics[f"{key}/{domain}"] = value * scale
-        metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
-        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), expert_counts or {},
-                               [m.detach() * scale for m in mtp_losses],
-                               token_mean_shares([mb.mtp_targets(d) for d in range(1, len(mtp_losses) + 1)],
-                                                 depth_counts, scale), ranges)
+        return self.objective_output(outputs, mb, policy_loss, metrics, ranges, self.counts[2 + len(self.domains):],
+                                     expert_counts)
 
 
 # ------------------------------------------------------------------------------------------------ warmup

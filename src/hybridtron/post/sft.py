@@ -223,7 +223,7 @@ def build_sft(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, stre
     # every micro-batch and the loss is normalised by the trained tokens of the whole global batch
     parallel = start_parallel(config.dist, model_config, batch_size=sft.batch_size, grad_accum=train.grad_accum,
                               seq_len=sft.seq_len, context_parallel=True)
-    main = parallel is None or parallel.is_main
+    main = parallel.is_main
     quiet = quiet or not main
     tokenizer = load_chat_tokenizer(config.base_model, vocab_size=model_config.vocab_size)
     prepare_process(train, model_config, sft.seq_len * sft.batch_size, stream, config.dist)
@@ -235,7 +235,7 @@ def build_sft(config: SFTRunConfig, out: Path, checkpoints, *, quiet: bool, stre
         print(data.stats.format(), file=stream)
 
     model = load_pretrained(config.base_model, config=model_config, dtype=torch.float32)
-    objective = SFTObjective(model_config.mtp_depths, data_sum=parallel.sum_over_data if parallel is not None else None)
+    objective = SFTObjective(model_config.mtp_depths, data_sum=parallel.sum_over_data)
     val_batches, sum_over_shares = held_out_shares(data.val_batches, parallel)  # under CP: this rank's shares
     evaluators = [HeldOutLoss(val_batches, train.val_every, sum_over_shares)] if val_batches else []
     trainer = assemble_trainer(model, objective, data.train_loader, evaluators, train=train,

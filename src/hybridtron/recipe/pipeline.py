@@ -42,9 +42,10 @@ from hybridtron.files import RUN_CONFIG
 from hybridtron.recipe.evaluation import eval_set, evaluate_model, format_row
 from hybridtron.recipe.render import format_table, render_html, summarize
 from hybridtron.recipe.config import PRESET_SECTIONS, PipelineConfig, parse_set, read_pipeline_toml
-from hybridtron.recipe.stages import (CONFIG_FILE, EVAL_FILE, HTML_FILE, RESULT_FILE, STAGE_FILE, apply_changes, base_stage,
-                                      check_data_tasks, command_line, declared, enabled_stages, fingerprints,
-                                      pipeline_toml, preset_config, read_json, stage_run, validate)
+from hybridtron.recipe.stages import (CONFIG_FILE, EVAL_FILE, HTML_FILE, RESULT_FILE, STAGE_FILE, active_stages,
+                                      apply_changes, base_stage, check_data_tasks, command_line, declared,
+                                      enabled_stages, fingerprints, pipeline_toml, preset_config, read_json, stage_run,
+                                      validate)
 from hybridtron.train.config import section_values
 from hybridtron.train.run import refuse_torchrun
 
@@ -78,7 +79,8 @@ def resolve_config(args) -> PipelineConfig:
         preset_config(args.preset or "tiny")
     if getattr(args, "base", None):
         base = str(resolve_checkpoint_dir(args.base, "--base")[0])  # a run directory: its hf/ export
-        config = apply_changes(config, {"pipeline": {"base_model": base}, base_stage().name: {"enabled": False}}, "--base")
+        replaced = {base_stage().name: {"enabled": False}}
+        config = apply_changes(config, {"pipeline": {"base_model": base}, **replaced}, "--base")
     if args.overrides:
         overrides = parse_set(args.overrides)
         if "preset" in overrides.get("pipeline", {}):
@@ -123,7 +125,7 @@ def run_pipeline(config: PipelineConfig, out: Path, *, log=None, stop_after: str
     prints = fingerprints(config, out)
     # every check before the first stage runs: a change to a finished stage, found after an hour of the stages
     # before it, would waste that hour
-    for name in (stage.name for stage in enabled_stages(config)):
+    for name in active_stages(config):
         record = read_json(out / name / STAGE_FILE)
         if record is not None and record.get("fingerprint") != prints[name]:
             raise ValueError(f"{out / name}: this stage was run with another configuration (or after other upstream "

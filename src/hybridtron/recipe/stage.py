@@ -31,14 +31,11 @@ CODE_DOMAIN, MATH_DOMAIN = "code", "math"
 LEVELS = object()  # in `Stage.fixed`: the pipeline's levels (`[pipeline] levels`)
 
 
-@dataclass(frozen=True)
 class First:
     """The model of the first enabled stage of `stages` (a teacher made with or without its optional stage)."""
 
-    stages: tuple[Stage, ...]
-
     def __init__(self, *stages: Stage):
-        object.__setattr__(self, "stages", stages)
+        self.stages = stages
 
     def pick(self, config: PipelineConfig) -> Stage:
         return next((s for s in self.stages if config.stages[s.name].enabled), self.stages[-1])
@@ -80,6 +77,8 @@ class DataWriter:
 
     file = DATA_FILE
     fields: dict[str, tuple[int, str]] = {}
+
+    sources: Mapping[str, Any] = {}  # the stages (or `First`s) whose models the data may be made with
 
     def reads(self, stage: StageConfig, config: PipelineConfig) -> list[Stage]:
         """The stages whose models the data is made with."""
@@ -147,6 +146,10 @@ class TeacherData(DataWriter):
               "teacher_samples": (0, "each teacher's tries per task; 0: the worked solutions")}
     teachers: Mapping[str, Any] = field(default_factory=dict)  # domain -> a Stage or First
 
+    @property
+    def sources(self):
+        return self.teachers
+
     def reads(self, stage, config):
         return [resolve(source, config) for source in self.teachers.values()] if stage.data["teacher_samples"] else []
 
@@ -211,6 +214,14 @@ class Stage:
     steps_of: Stage | None = None
     recovery: Recovery | None = None
 
+    def may_read(self) -> set[Stage]:
+        """Every stage this one may read, whichever are enabled: its place in the order follows from them."""
+        found = set()
+        for source in [*self.inputs.values(), *(self.data.sources.values() if self.data is not None else ())]:
+            for item in source.values() if isinstance(source, Mapping) else (source,):
+                found.update(item.stages if isinstance(item, First) else [item] if isinstance(item, Stage) else [])
+        return found
+
     @property
     def data_fields(self) -> dict[str, tuple[int, str]]:
         return self.data.fields if self.data is not None else {}
@@ -238,6 +249,18 @@ class Stage:
                 return str(out / self.name / self.data.file) if writes else source.fallback
             return source
         return {key: value(source) for key, source in self.inputs.items()}
+
+
+def in_order(stages: tuple[Stage, ...]) -> list[Stage]:
+    """`stages` in an order where each comes after every stage it may read (the declared order where it is one)."""
+    placed: list[Stage] = []
+    while len(placed) < len(stages):
+        ready = next((s for s in stages if s not in placed and s.may_read() <= set(placed)), None)
+        if ready is None:
+            waiting = [s.name for s in stages if s not in placed]
+            raise ValueError(f"the stages {', '.join(waiting)} read each other's models (or an undeclared stage's)")
+        placed.append(ready)
+    return placed
 
 
 def resolve(source: Stage | First, config: PipelineConfig) -> Stage:

@@ -29,7 +29,7 @@ from hybridtron.post import grpo, mopd, mtp_boost, sft
 from hybridtron.recipe.config import PRESET_SECTIONS, PipelineConfig, StageConfig, setting_text
 from hybridtron.recipe.stage import (CODE_DOMAIN, LEVELS, MATH_DOMAIN, BoostPrompts, DataDraw, First, MixedSFTData,
                                      Raises, RecoversAtLeast, RecoversMore, Recovery, Stage, TeacherData, Written,
-                                     preset)
+                                     in_order, preset)
 from hybridtron.train import pretrain
 from hybridtron.train.config import build_section, coerce_value, section_values, toml_value
 
@@ -150,8 +150,8 @@ STAGES = (PRETRAIN, SFT, RLVR, MATH_TEACHER_SFT, MATH_TEACHER, CODE_TEACHER, COD
 
 
 def declared() -> dict[str, Stage]:
-    """The stages by name, in order (read at each call: a test may declare one more)."""
-    return {stage.name: stage for stage in STAGES}
+    """The stages by name, each after the stages it may read (read at each call: a test may declare one more)."""
+    return {stage.name: stage for stage in in_order(STAGES)}
 
 
 # ======================================================================================= the configuration
@@ -177,6 +177,7 @@ def typed_setting(stage: Stage, key: str, value: Any) -> Any:
 
 
 def field_value(command, key: str, value: Any) -> Any:
+    """`typed_setting` for the configuration of `command`, its errors unprefixed."""
     section, _, name = key.partition(".")
     sections = command.section_names()
     if section == "model" and section not in sections:

@@ -470,19 +470,3 @@ def resume_changes(saved: SectionedConfig, given: SectionedConfig) -> tuple[list
             else ()
         (applied if resumable == ALL or name in resumable else refused).append(change)
     return applied, refused
-
-
-def build_run_config(base_preset: str = "tiny", toml_path: str | None = None, overrides: list[str] = (),
-                     base: RunConfig | None = None) -> RunConfig:
-    """Pretraining's configuration: the preset (or `base`, a saved run's) <- the config file <- --set overrides.
-    The config file is TOML (what `pretrain --print-config` prints) or a run's run_config.json (which then
-    replaces the preset)."""
-    if toml_path is not None and Path(toml_path).suffix == ".json":  # a run's own run_config.json
-        if not Path(toml_path).is_file():
-            raise FileNotFoundError(f"{toml_path}: config file not found")
-        base, toml_path = RunConfig.load(toml_path), None
-    config = change_config(base or RunConfig(model=preset(base_preset)), toml_path, overrides)
-    for section in config.sections().values():  # every section valid, the untouched ones included
-        if hasattr(section, "validate"):
-            section.validate()
-    return config

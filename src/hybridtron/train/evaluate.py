@@ -96,9 +96,8 @@ class HeldOutLoss(Evaluator):
     def evaluate(self, trainer) -> dict[str, float]:
         parallel = trainer.parallel
         results = held_out_ce(trainer.model, self.batches, autocast=trainer.autocast,
-                              pipeline=parallel.pipeline if parallel is not None else None,
-                              sum_over_shares=self.sum_over_shares,
-                              device=parallel.device if parallel is not None else None)
+                              pipeline=parallel.pipeline, sum_over_shares=self.sum_over_shares,
+                              device=parallel.device)
         if self.per_batch_mean:
             value = sum(ce_sum / count for ce_sum, count in results) / len(results)
         else:

@@ -23,7 +23,6 @@ run directory with one, or a training checkpoint (a DCP step directory, its toke
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from dataclasses import dataclass, replace
@@ -276,7 +275,7 @@ def build_long_context(config: LongContextRunConfig, out: Path, checkpoints, *, 
     longest = max(phase.lengths)
     parallel = start_parallel(config.dist, model_config, batch_size=phase.rows(longest) // train.grad_accum,
                               grad_accum=train.grad_accum, seq_len=longest, context_parallel=True)
-    main = parallel is None or parallel.is_main
+    main = parallel.is_main
     quiet = quiet or not main
     prepare_process(train, model_config, phase.tokens_per_iteration // train.grad_accum, stream, config.dist)
 
@@ -285,15 +284,14 @@ def build_long_context(config: LongContextRunConfig, out: Path, checkpoints, *, 
     schedule = LengthSchedule(phase.lengths, phase.shares)
     planned = schedule.plan(train.steps)
     loaders, evaluators = {}, []
-    with parallel.main_first() if parallel is not None else contextlib.nullcontext():  # one rank fills the caches
+    with parallel.main_first():  # one rank fills the caches
         for index, length in enumerate(phase.lengths):
             loader, val_batches = length_data(config, length, phase.sources[index], planned[index], tokenizer_dir,
                                               model_config.vocab_size)
             loaders[length] = loader
             if val_batches:
-                if parallel is not None:
-                    val_batches = [batch.to(parallel.device) for batch in val_batches]
-                val_batches, sum_over_shares = held_out_shares(val_batches, parallel)
+                val_batches, sum_over_shares = held_out_shares([batch.to(parallel.device) for batch in val_batches],
+                                                               parallel)
                 # the first length's is the run's val_loss (the monitor and the summary read it)
                 key = "val_loss" if not evaluators else f"val_loss_{length}"
                 evaluators.append(HeldOutLoss(val_batches, train.val_every, sum_over_shares, key=key))
@@ -303,8 +301,7 @@ def build_long_context(config: LongContextRunConfig, out: Path, checkpoints, *, 
         print(format_phase_report(phase_report(config)), file=stream)
 
     model = load_checkpoint_model(config.init_from, model_config)
-    objective = PretrainObjective(compile_loss=train.compile) if parallel is None else PretrainObjective(
-        parallel.sum_over_data, model_config.mtp_depths, train.compile)
+    objective = PretrainObjective(parallel.sum_over_data, model_config.mtp_depths, train.compile)
     batches = PhaseBatches(schedule, loaders, train.grad_accum)
     trainer = assemble_trainer(model, objective, batches, evaluators, train=train, monitor_config=config.monitor,
                                out=out, checkpoints=checkpoints, quiet=quiet, stream=stream, parallel=parallel)

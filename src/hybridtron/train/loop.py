@@ -19,8 +19,9 @@ One optimizer step, as `Trainer.train` reads:
 Everything that decides what a step does is in this file; hooks only observe (hybridtron.train.hooks), and fault
 drills install themselves from outside (hybridtron.train.monitor.faults).
 
-Distributed (`parallel`, a `hybridtron.dist.mesh.Parallel`; the model parallelized by `hybridtron.dist.parallelize`,
-the batch source giving this rank's rows): every rank runs this same loop. The objective's metrics and token
+Parallel (`parallel`, a `hybridtron.dist.mesh.Parallel`; the model parallelized by `hybridtron.dist.parallelize`,
+the batch source giving this rank's rows): every rank runs this same loop, and a single process runs it as a world of
+one (`Parallel.single_process`: no process group, every collective the identity). The objective's metrics and token
 counts are summed over the data-parallel ranks, gradient norms are taken over the sharded gradients, expert
 counts are reduced over the ranks of each pipeline stage, and global rank 0's monitor decision is the one every
 rank carries out, so all ranks take the same step.
@@ -41,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from hybridtron.checkpoint.dcp import CheckpointManager, saved_keys, step_of
 from hybridtron.dist.expert_parallel import dropped_shares
+from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.parallelize import set_output_reduce_dtype
 from hybridtron.dist.state import checkpoint_state
 from hybridtron.dist.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics, step_ranges
@@ -65,14 +67,15 @@ class Trainer:
     def __init__(self, model, objective, batches, config: TrainConfig, checkpoints: CheckpointManager | None, *,
                  hooks=(), evaluators=(), monitor=None, parallel=None):
         self.model, self.objective, self.batches, self.config = model, objective, batches, config
-        self.parallel = parallel
+        # a trainer built without one (tests, tools) runs in a world of one on the model's device
+        self.parallel = Parallel.single_process(self.device) if parallel is None else parallel
         self.checkpoints = checkpoints
         self.hooks, self.evaluators = list(hooks), list(evaluators)
         self.monitor = monitor or NoMonitor()
         self.optimizer = build_optimizer(model, config)
         self.schedule = self.new_schedule()
         self.balance = ExpertBalance(list(model.routers()), config.router_bias_rate, config.maxvio_window,
-                                     group=parallel.group("tokens") if parallel is not None else None)
+                                     group=self.parallel.group("tokens"))
         self.step = 0
         # what rollbacks changed: kept when a rollback restores an older checkpoint, restored on resume
         self.adjustments = {"lr_scale": 1.0, "grad_accum_dtype": None}
@@ -99,11 +102,9 @@ class Trainer:
             stats = self.forward_backward()  # every micro-batch of the step: losses, tokens, expert counts
             self.clip_gradients(stats)  # norms before clipping, global and per parameter group
             stats.maxvio = self.balance.measure(stats.expert_counts)  # MaxVio of every router
-            if self.parallel is not None:  # each pipeline stage measured its own routers
-                stats.maxvio = self.parallel.merge_over_stages(stats.maxvio)
+            stats.maxvio = self.parallel.merge_over_stages(stats.maxvio)  # each pipeline stage measured its own
             decision = self.monitor.judge(self, stats)  # apply / skip / rollback / anneal
-            if self.parallel is not None:  # local signals may differ across ranks: rank 0 decides for all
-                decision = self.parallel.broadcast_object(decision)
+            decision = self.parallel.broadcast_object(decision)  # local signals may differ: rank 0 decides
             if decision.applies:
                 self.apply_update(stats)  # the optimizer, then every router's bias toward balance
             self.optimizer.zero_grad(set_to_none=True)
@@ -140,21 +141,15 @@ class Trainer:
         # step's micro-batches
         shares = [{**out.metrics, **{("loss", d): loss for d, loss in enumerate(out.mtp_losses, start=1)},
                    **{("share", d): share for d, share in enumerate(out.mtp_shares, start=1)}} for out in outputs]
-        if self.parallel is None:
-            values = dict(zip(shares[0], torch.stack([torch.stack([share[key] for share in shares]).mean()
-                                                      for key in shares[0]]).tolist()))
-        else:  # this rank's shares -> the global batch's values, on every rank
-            values, tokens = step_metrics(self.parallel, shares, tokens)
+        values, tokens = step_metrics(self.parallel, shares, tokens)  # the global batch's values, on every rank
         depths = sorted(depth for kind, depth in (key for key in values if isinstance(key, tuple)) if kind == "loss")
         mtp_losses = [depth_mean(values.pop(("loss", d)), values.pop(("share", d))) for d in depths]
         ranges = merge_ranges([out.ranges for out in outputs])  # each statistic's [min, max] over the step
-        if self.parallel is not None:
-            ranges = step_ranges(self.parallel, ranges)
+        ranges = step_ranges(self.parallel, ranges)
         stats = StepStats(step=step, lr=self.schedule.lr(self.step), losses=values, mtp_losses=mtp_losses,
                           tokens=tokens, expert_counts=counts, seconds=started, ranges=range_values(ranges))
-        if self.parallel is not None:  # capacity-limited expert parallelism: the share of rows it dropped
-            stats.signals.update(self.parallel.merge_over_stages(dropped_shares(self.model,
-                                                                                self.parallel.group("tokens"))))
+        # capacity-limited expert parallelism: the share of rows it dropped
+        stats.signals.update(self.parallel.merge_over_stages(dropped_shares(self.model, self.parallel.group("tokens"))))
         return stats
 
     def run_micro_batches(self, micro_batches) -> tuple[list[ObjectiveOutput], int, dict[str, torch.Tensor]]:
@@ -163,7 +158,7 @@ class Trainer:
         objective's loss runs on the last stage, on the micro-batch the schedule names by index (the other stages
         have no outputs)."""
         outputs, tokens, counts = [], 0, {}
-        pipeline = self.parallel.pipeline if self.parallel is not None else None
+        pipeline = self.parallel.pipeline
         if pipeline is not None:
             def last_stage_loss(stage_outputs, index):
                 out = self.objective.loss_from_outputs(self.model, stage_outputs, micro_batches[int(index)])
@@ -188,18 +183,13 @@ class Trainer:
         """Record the global and per-group gradient norms, then clip to `grad_clip` by the global norm. A non-finite
         norm leaves the gradients untouched: scaling by NaN would smear one layer's NaN over every layer and hide
         where it began (the monitor names the groups whose gradients are not finite)."""
-        named = [(name, p) for name, p in self.model.named_parameters() if p.grad is not None]
-        if self.parallel is not None:  # sharded gradients: norms from every rank's shards, one all-reduce
-            norm, stats.group_grad_norms = global_grad_norms([(n, p.grad) for n, p in named], self.parallel,
-                                                             parameter_group)
-            if self.config.grad_clip and torch.isfinite(norm):
-                clip_grads_([p.grad for _, p in named], self.config.grad_clip, norm)
-            stats.grad_norm = float(norm)
-            return
-        norm = torch.nn.utils.get_total_norm([p.grad for _, p in named])
-        stats.group_grad_norms = group_norms([(name, p.grad) for name, p in named])
+        grads = [(name, p.grad) for name, p in self.model.named_parameters() if p.grad is not None]
+        if self.parallel.distributed:  # sharded gradients: norms from every rank's shards, one all-reduce
+            norm, stats.group_grad_norms = global_grad_norms(grads, self.parallel, parameter_group)
+        else:  # whole gradients: torch's own norm (its float32 arithmetic, which one process has always used)
+            norm, stats.group_grad_norms = torch.nn.utils.get_total_norm([g for _, g in grads]), group_norms(grads)
         if self.config.grad_clip and torch.isfinite(norm):
-            torch.nn.utils.clip_grads_with_norm_([p for _, p in named], self.config.grad_clip, norm)
+            clip_grads_([g for _, g in grads], self.config.grad_clip, norm)
         stats.grad_norm = float(norm)
 
     def apply_update(self, stats: StepStats) -> None:
@@ -253,11 +243,7 @@ class Trainer:
     def stop_requested(self) -> bool:
         """Whether a signal asked the run to stop; under torchrun any rank's signal stops every rank at the same
         step (one all-reduce of a flag a step)."""
-        if self.parallel is None:
-            return self.stop_signal is not None
-        flag = torch.tensor([self.stop_signal or 0], device=self.parallel.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        self.stop_signal = int(flag) or None
+        self.stop_signal = self.parallel.max_over_world(self.stop_signal or 0) or None
         return self.stop_signal is not None
 
     def interrupt(self) -> None:
@@ -318,7 +304,7 @@ class Trainer:
         dtype = self.adjustments["grad_accum_dtype"]
         if dtype is not None and dtype != self.config.grad_accum_dtype:
             self.config = dataclasses.replace(self.config, grad_accum_dtype=dtype)
-            if self.parallel is not None:  # FSDP: the output layer's dtype is that of its gradient reduction
+            if self.parallel.distributed:  # FSDP: the output layer's dtype is that of its gradient reduction
                 set_output_reduce_dtype(self.model, ACCUM_DTYPES[dtype])
             else:
                 set_output_accumulation(self.model, dtype)
@@ -332,13 +318,13 @@ class Trainer:
         return {"model": model_state, "optimizer": optimizer_state}
 
     def checkpoint_state(self, tensors: dict) -> dict:
-        return checkpoint_state(tensors, self.model, self.parallel)
+        return checkpoint_state(tensors, self.model)
 
     def trainer_state(self) -> dict:
         """Everything but the tensors, as global rank 0 holds it (and so the same at any world size); under PP the
         per-stage parts (router loads, stochastic-rounding streams) gathered from every stage."""
         state = self._trainer_state()
-        if self.parallel is not None and self.parallel.layout.pp > 1:
+        if self.parallel.layout.pp > 1:
             state["balance"] = merge_balance_states(self.parallel, state["balance"])
             state["rng"]["stochastic_rounding"] = self.parallel.merge_over_stages(state["rng"]["stochastic_rounding"])
         return state

@@ -21,7 +21,6 @@ from a pretrained checkpoint instead (hybridtron.train.long_context); `--resume`
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -48,11 +47,11 @@ def build_pretraining(config: RunConfig, out: Path, checkpoints, *, quiet: bool,
         model_config = model_config.replace(mtp_loss_weight=train.mtp_loss_weight)
     parallel = start_parallel(config.dist, model_config, batch_size=config.data.batch_size,
                               grad_accum=train.grad_accum, seq_len=config.data.seq_len, context_parallel=True)
-    main = parallel is None or parallel.is_main
+    main = parallel.is_main
     quiet = quiet or not main
     prepare_process(train, model_config, config.data.seq_len * config.data.batch_size, stream, config.dist)
 
-    with parallel.main_first() if parallel is not None else contextlib.nullcontext():  # one rank fills the cache
+    with parallel.main_first():  # one rank fills the cache
         data = build_data(config.data, total_sequences=train.steps * train.grad_accum * config.data.batch_size)
     if data.tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size is "
@@ -62,13 +61,12 @@ def build_pretraining(config: RunConfig, out: Path, checkpoints, *, quiet: bool,
     if not quiet:
         print(data.mixture_report.format(max_rows=12), file=stream)
 
-    # under torchrun every rank builds the model on the meta device and `parallelize` fills in its own shards
+    # every rank builds the model on the meta device and `parallelize` fills in its own shards
     # (hybridtron.dist.materialize): no rank holds the whole model, and every layout starts from these weights
-    model = HybridLM(model_config) if parallel is None else HybridLM.on_meta(model_config)
-    val_batches = data.val_batches if parallel is None else [batch.to(parallel.device) for batch in data.val_batches]
+    model = HybridLM.on_meta(model_config)
+    val_batches = [batch.to(parallel.device) for batch in data.val_batches]
     val_batches, sum_over_shares = held_out_shares(val_batches, parallel)  # under CP: this rank's shares
-    objective = PretrainObjective(compile_loss=train.compile) if parallel is None else PretrainObjective(
-        parallel.sum_over_data, model_config.mtp_depths, train.compile)
+    objective = PretrainObjective(parallel.sum_over_data, model_config.mtp_depths, train.compile)
     # data.val_fraction = 0 holds nothing out: no validation
     validation = [HeldOutLoss(val_batches, train.val_every, sum_over_shares=sum_over_shares, per_batch_mean=True)
                   ] if val_batches else []

@@ -53,7 +53,7 @@ from hybridtron.checkpoint.hf import check_checkpoint_target, resolve_checkpoint
 from hybridtron.config import HYBRIDTRON_H, ModelConfig
 from hybridtron.data.chat import save_tokenizer_files
 from hybridtron.dist.config import DistConfig
-from hybridtron.dist.mesh import init_parallel, run_device
+from hybridtron.dist.mesh import Parallel, init_parallel, run_device
 from hybridtron.dist.parallelize import parallelize
 from hybridtron.dist.step import DataParallelBatches, full_state_dict
 from hybridtron.errors import RunInterrupted
@@ -314,8 +314,7 @@ class RunCommand:
             if built.tokenizer is not None:
                 outputs["HF export"] = out / "hf"
             print("\n".join(f"{name + ':':<13}{path}" for name, path in outputs.items()))
-        if trainer.parallel is not None:
-            trainer.parallel.close()
+        trainer.parallel.close()
         return status
 
 
@@ -451,9 +450,9 @@ def restarted_by_torchrun() -> bool:
 
 def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: int, seq_len: int,
                    context_parallel: bool = False):
-    """The run's process groups (hybridtron.dist.mesh.init_parallel): None for one process and the default
-    layout; a layout the planner rejects is a ValueError before any process group is built. `context_parallel`:
-    the run's batches can be split by position (pretraining's fixed-length sequences)."""
+    """The run's process groups (hybridtron.dist.mesh.init_parallel): a world of one without any for one process
+    and the default layout; a layout the planner rejects is a ValueError before any process group is built.
+    `context_parallel`: the run's batches can be split by position (pretraining's fixed-length sequences)."""
     return init_parallel(dist_config, model_config, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,
                          context_parallel=context_parallel)
 
@@ -480,7 +479,7 @@ def prepare_process(train, model_config, micro_batch_tokens: int, stream=None, d
 
 
 def assemble_trainer(model, objective, batches, evaluators, *, train, monitor_config, out: Path, checkpoints,
-                     quiet: bool, stream=None, parallel=None) -> Trainer:
+                     quiet: bool, parallel: Parallel, stream=None) -> Trainer:
     """A `Trainer` for `model` as every training command runs it: the precision policy applied, the model
     parallelized (`train.compile`, `train.recompute`, and under torchrun the `[dist]` layout of `parallel`), the
     stability monitor (and its fault drill, which may corrupt a loader's batches), metrics.jsonl and, unless `quiet`,
@@ -488,14 +487,13 @@ def assemble_trainer(model, objective, batches, evaluators, *, train, monitor_co
     `grad_accum` a step (under torchrun each rank takes its rows of them), or a batch source that gives each step's
     micro-batches itself, this rank's rows included (RL rollouts: a `hybridtron.train.objectives.BatchSource`)."""
     stream = sys.stderr if stream is None else stream  # the stderr of the moment, not of import time
-    if parallel is None:
-        convert_for_training(model, train)  # precision policy, output-layer grad accumulation dtype
-    else:  # under FSDP the output layer's gradient is reduced in grad_accum_dtype instead (see dist.parallelize)
-        convert_for_training(model, dataclasses.replace(train, grad_accum_dtype="fp32"))
+    # precision policy, output-layer grad accumulation dtype; under FSDP the output layer's gradient is reduced in
+    # grad_accum_dtype instead (see dist.parallelize)
+    convert_for_training(model, dataclasses.replace(train, grad_accum_dtype="fp32") if parallel.distributed else train)
     model = parallelize(model, parallel, recompute=train.recompute, compile=train.compile,
                         output_reduce_dtype=ACCUM_DTYPES[train.grad_accum_dtype])
-    main = parallel is None or parallel.is_main
-    if parallel is not None and main and not quiet:
+    main = parallel.is_main
+    if parallel.distributed and main and not quiet:  # a single process has no layout to report
         print(f"[dist] {parallel.describe()}", file=stream)
     monitor, faults = build_monitor(monitor_config, out, model.config, stream)
     if not main and monitor.events is not None:  # every rank judges the same steps; rank 0 alone records them
@@ -504,8 +502,7 @@ def assemble_trainer(model, objective, batches, evaluators, *, train, monitor_co
         batches = LoaderBatches(batches, train.grad_accum)
         if faults is not None:
             batches = faults.wrap_batches(batches, model.config.vocab_size)
-        if parallel is not None:
-            batches = DataParallelBatches(batches, parallel, model.config.mtp_depths)
+        batches = DataParallelBatches(batches, parallel, model.config.mtp_depths)
     hooks = [MetricsLogger(out, every=train.log_every)] if main else []
     if not quiet and main:
         hooks.append(ProgressBar(stream))
@@ -527,15 +524,11 @@ def export_model(trainer, hf_dir: Path, tokenizer, model_max_length: int | None 
     Returns whether this process wrote it."""
     parallel = trainer.parallel
     model_max_length = model_max_length or trainer.model.config.max_position_embeddings
-    if parallel is None:
-        model = trainer.model
-    else:
-        state = full_state_dict(trainer.model, parallel)
-        if parallel.is_main:
-            model = HybridLM(trainer.model.config, init=False)
-            model.load_state_dict(state)
-    writes = parallel is None or parallel.is_main
+    state = full_state_dict(trainer.model, parallel)  # in one process the model's own tensors, not copies
+    writes = parallel.is_main
     if writes:
+        model = HybridLM(trainer.model.config, init=False)
+        model.load_state_dict(state)
         blocker = trainer.model.config.nemotron_h_blocker()
         if blocker is not None:
             print(f"[export] {hf_dir} is in hybridtron's own format (model_type {HYBRIDTRON_H!r}: hybridtron loads it, "
@@ -545,8 +538,7 @@ def export_model(trainer, hf_dir: Path, tokenizer, model_max_length: int | None 
         with staged_checkpoint(hf_dir, overwrite=True) as staging:
             save_pretrained(model, staging, nemotron_h=False)
             save_tokenizer_files(tokenizer, staging, model_max_length=model_max_length)
-    if parallel is not None:
-        parallel.barrier()
+    parallel.barrier()
     return writes
 
 

@@ -56,6 +56,7 @@ from hybridtron.data.chat import declared_chat_template, load_chat_tokenizer, to
 from hybridtron.data.sft import read_conversations
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.files import METRICS_FILE, atomic_write_json
+from hybridtron.dist.mesh import Parallel
 from hybridtron.infer.speculative import MAX_DRAFT_LENGTH, check_drafter
 from hybridtron.model.lm import HybridLM
 from hybridtron.post.mtp_boost.training import AcceptanceLength, BoostObjective, PoolBatches, on_policy_samples
@@ -240,7 +241,7 @@ def build_mtp_boost(config: MTPBoostRunConfig, out: Path, checkpoints, *, quiet:
     acceptance = AcceptanceLength(eval_prompts, boost.draft_length, boost.eval_tokens, train.val_every)
     trainer = assemble_trainer(model, BoostObjective(boost.depths, boost.kl_temperature), batches, [acceptance],
                                train=train, monitor_config=config.monitor, out=out, checkpoints=checkpoints,
-                               quiet=quiet, stream=stream)
+                               quiet=quiet, stream=stream, parallel=Parallel.single_process())
     return BoostedRun(trainer, tokenizer, config=config)
 
 

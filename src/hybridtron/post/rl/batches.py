@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from hybridtron.dist.context_parallel import chunk_rows, chunk_rows_ahead, shard_sequence
+from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.step import full_state_dict
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.post.rl.roles import RolePipeline
@@ -305,10 +306,12 @@ class RolloutBatches(BatchSource):
             raise ValueError(f"staleness must be >= 0, got {staleness}")
         if mini_batches < 1 or epochs < 1:
             raise ValueError(f"mini_batches and epochs must be >= 1, got {mini_batches} and {epochs}")
-        self.make_pipeline, self.parallel = pipeline, parallel
+        # built without a learner's context (tests): the learner is one process, a world of one
+        self.parallel = Parallel.single_process() if parallel is None else parallel
+        self.make_pipeline = pipeline
         self.mtp_depths, self.min_chunk = mtp_depths, min_chunk  # how a sharded learner's rows are cut (lookahead)
-        self.shared = shared and parallel is not None
-        self.drives_pipeline = parallel is None or parallel.is_main or self.shared
+        self.shared = shared
+        self.drives_pipeline = self.parallel.is_main or self.shared
         self.staleness, self.grad_accum, self.pad_id = staleness, grad_accum, pad_id
         self.mini_batches, self.epochs = mini_batches, epochs
         self.steps_per_rollout = mini_batches * epochs
@@ -350,10 +353,9 @@ class RolloutBatches(BatchSource):
         of a rollout batch it does nothing: the rollout role keeps the weights it was given at the batch's start."""
         if self.mid_batch:
             return
-        if self.parallel is None:
-            weights = model.state_dict()
-        else:  # every rank gathers; rank 0 holds the result, or every rank when each samples its share
-            weights = full_state_dict(model, self.parallel, everywhere=self.shared)
+        # every rank gathers; rank 0 holds the result, or every rank when each samples its share (in one process:
+        # the model's own tensors)
+        weights = full_state_dict(model, self.parallel, everywhere=self.shared)
         if not self.drives_pipeline:
             return
         if self.pipeline is None:
@@ -382,7 +384,7 @@ class RolloutBatches(BatchSource):
         batch = None
         if self.drives_pipeline:
             batch = self.prefetched.pop(0) if self.prefetched else self._receive()
-        if self.parallel is not None and not self.shared:
+        if not self.shared:
             batch = self.parallel.broadcast_object(batch)
         self.last_wait_s = time.perf_counter() - started
         assert batch.index == self.consumed + 1, f"batch {batch.index} arrived for rollout batch {self.consumed + 1}"
@@ -411,12 +413,10 @@ class RolloutBatches(BatchSource):
 
     def _micro_batches(self, batch: RolloutBatch, rows: tuple[int, int]) -> list[RolloutMicroBatch]:
         micro_batches = pack_micro_batches(batch, self.grad_accum, self.pad_id, rows)
-        if self.parallel is not None and self.parallel.layout.pp > 1:
+        if self.parallel.layout.pp > 1:
             micro_batches = uniform_micro_batches(micro_batches, self.grad_accum, self.pad_id)
-        if self.parallel is not None:
-            micro_batches = [shard_micro_batch(mb, self.parallel, self.pad_id, lookahead=self.mtp_depths,
-                                               min_chunk=self.min_chunk) for mb in micro_batches]
-        return micro_batches
+        return [shard_micro_batch(mb, self.parallel, self.pad_id, lookahead=self.mtp_depths,
+                                  min_chunk=self.min_chunk) for mb in micro_batches]
 
     def _receive(self) -> RolloutBatch:
         delivery = self.pipeline.receive()
@@ -431,8 +431,8 @@ class RolloutBatches(BatchSource):
     # --------------------------------------------------------------------------------------------- state
     def _ranks(self) -> str:
         """Who holds which old log-probs: the layout of the learner's ranks."""
-        return "one process" if self.parallel is None else f"{self.parallel.world} processes, layout " \
-                                                             f"{self.parallel.layout}"
+        return "one process" if self.parallel.world == 1 else f"{self.parallel.world} processes, layout " \
+                                                                f"{self.parallel.layout}"
 
     def state_dict(self) -> dict:
         """(Under torchrun the checkpoint keeps global rank 0's, which drives the pipeline; with `shared`, every
@@ -445,11 +445,7 @@ class RolloutBatches(BatchSource):
         if self.mid_batch:
             old = None
             if self.current_old is not None:
-                old = [[[logp.cpu() for logp in mbs] for mbs in self.current_old]]
-                if self.parallel is not None:
-                    everyone = [None] * self.parallel.world
-                    torch.distributed.all_gather_object(everyone, old[0])
-                    old = everyone
+                old = self.parallel.gather_objects([[logp.cpu() for logp in mbs] for mbs in self.current_old])
             state["current"] = {"batch": self.current, "taken": self.taken, "old_logprobs": old,
                                 "ranks": self._ranks()}
         return state
@@ -470,7 +466,7 @@ class RolloutBatches(BatchSource):
                                      f"{current['batch'].index} by {current['ranks']}, which hold its old log-probs; "
                                      f"resume it the same way ({self._ranks()} now), or from a checkpoint at the "
                                      f"end of a rollout batch")
-                old = old[0 if self.parallel is None else self.parallel.rank]
+                old = old[self.parallel.rank]
             self._begin(current["batch"], old)
             self.taken = current["taken"]
 

@@ -114,13 +114,14 @@ class RolloutRunCommand(RunCommand):
         rows, seq_len = section.micro_batch_shape(train.grad_accum, model_config.max_position_embeddings)
         parallel = start_parallel(config.dist, model_config, **learner_layout(
             config.dist, model_config, section, rows=rows, seq_len=seq_len, grad_accum=train.grad_accum))
-        quiet = quiet or (parallel is not None and not parallel.is_main)
+        quiet = quiet or not parallel.is_main
         tokenizer = load_chat_tokenizer(policy_dir, vocab_size=model_config.vocab_size)
         prepare_process(train, model_config, rows * seq_len, stream, config.dist)
         model = load_pretrained(policy_dir, config=model_config, dtype=torch.float32)
         staleness = section.staleness if section.async_rollouts else 0
         backend = section.rollout_backend if section.async_rollouts else "inline"
-        shared = parallel is not None and backend == "inline"  # every rank generates its share of each step
+        # every rank generates its share of each step (a single process, with no ranks to share with, all of it)
+        shared = parallel.distributed and backend == "inline"
         specs = self.role_specs(config, policy_dir, backend, WorkShare() if shared else None)
         objective = self.objective(config, parallel)
 

@@ -22,7 +22,7 @@ class PolicySnapshot:
         self.copy = None
 
     def __call__(self, trainer):
-        if trainer.parallel is None:
+        if not trainer.parallel.distributed:  # whole weights: the model itself, no copy
             return trainer.model
         state = full_state_dict(trainer.model, trainer.parallel)
         if state is None:
@@ -40,7 +40,7 @@ def evaluate_on_main(trainer, snapshot: PolicySnapshot, evaluate) -> dict[str, f
     values = evaluate(model) if model is not None else None
     if model is not None:
         model.train(was_training)
-    return values if trainer.parallel is None else trainer.parallel.broadcast_object(values)
+    return trainer.parallel.broadcast_object(values)
 
 
 class HeldOutAccuracy(Evaluator):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridtron.dist.mesh import Parallel
 from hybridtron.dist.pipeline import MicroBatchInputs
 from hybridtron.infer.sampling import probs_from_logits
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
@@ -30,7 +31,7 @@ from hybridtron.post.losses import token_entropy
 from hybridtron.post.rl.batches import rollout_router_counts
 from hybridtron.post.rl.config import LOGPROB_CHUNK
 from hybridtron.post.sft import sft_loss
-from hybridtron.train.objectives import local_head_weight
+from hybridtron.train.objectives import ObjectiveOutput, local_head_weight, token_mean_shares
 
 LOGP_FLOOR = -50.0  # a sampled token the learner's top-k / top-p would have filtered out: log-prob floored here
 
@@ -133,11 +134,12 @@ class RolloutObjective:
     learner's forward with routing replay (`__call__`), or under PP of the last stage's outputs (`stage_inputs`:
     what the stages read)."""
 
-    def __init__(self, config, mtp_depths: int, parallel=None):
+    def __init__(self, config, mtp_depths: int, parallel: Parallel | None = None):
         self.config, self.loss_config = config, config.loss_config()
         self.mtp_depths = mtp_depths if config.mtp_loss_weight > 0 else 0
-        self.data_sum = parallel.sum_over_data if parallel is not None else None
-        self.data_ranks = parallel.layout.dp * parallel.layout.cp if parallel is not None else 1  # sum_over_data's
+        parallel = Parallel.single_process() if parallel is None else parallel  # built alone (tests): one process
+        self.data_sum = parallel.sum_over_data
+        self.data_ranks = parallel.layout.dp * parallel.layout.cp  # sum_over_data's
         self.counts: list[float] = []  # row_counts' values, then the MTP targets of each depth
         self.micro_batches = 1
 
@@ -149,9 +151,7 @@ class RolloutObjective:
                                        for d in range(1, self.mtp_depths + 1)] for mb in micro_batches]
         device = micro_batches[0].labels.device  # a collective's tensor lives on the run's device (NCCL: CUDA)
         counts = torch.tensor([[float(x) for x in row] for row in rows], dtype=torch.float64, device=device).sum(dim=0)
-        if self.data_sum is not None:
-            counts = self.data_sum(counts)
-        self.counts = counts.tolist()
+        self.counts = self.data_sum(counts).tolist()
         self.micro_batches = len(micro_batches)
 
     def stage_inputs(self, mb):
@@ -207,3 +207,21 @@ class RolloutObjective:
     def __call__(self, model, mb):
         outputs, counts = self.forward(model, mb)
         return self.loss_from_outputs(model, outputs, mb, counts)
+
+    def objective_output(self, outputs, mb, policy_loss, metrics: dict, ranges: dict, depth_counts,
+                         expert_counts=None) -> ObjectiveOutput:
+        """A micro-batch's `ObjectiveOutput` from its policy loss: the loss adds the mean of the MTP depths' losses
+        (`mtp_losses` over `depth_counts`) weighted by `mtp_loss_weight`; the metrics are the loss's and the policy
+        loss's, then `metrics` (each already the micro-batch's share of the step's value), then the batch's rollout
+        statistics; `ranges`: the step's extremes (`ObjectiveOutput.ranges`)."""
+        mtp_losses = self.mtp_losses(outputs, mb, depth_counts)
+        loss = policy_loss
+        if mtp_losses:
+            loss = loss + self.config.mtp_loss_weight * torch.stack(mtp_losses).mean()
+        scale = self.micro_batches  # the trainer logs the mean over micro-batches of each metric
+        metrics = {"loss": loss.detach() * scale, "policy_loss": policy_loss.detach() * scale, **metrics}
+        metrics.update({key: torch.tensor(float(value) / self.data_ranks) for key, value in mb.stats.items()})
+        return ObjectiveOutput(loss, metrics, int(mb.valid.sum()), expert_counts or {},
+                               [m.detach() * scale for m in mtp_losses],
+                               token_mean_shares([mb.mtp_targets(d) for d in range(1, len(mtp_losses) + 1)],
+                                                 depth_counts, scale), ranges)

@@ -73,21 +73,11 @@ class ResidualRMS(Signal):
         self.armed = sampled(step, self.every)
 
     def measure(self, trainer, stats):
-        parallel = getattr(trainer, "parallel", None)
-        if parallel is not None and self.armed:  # every rank of a stage holds as many of its own tokens
-            import torch.distributed as dist
-
-            keys = sorted(self.sums)
-            means = torch.stack([self.sums[i] / self.counts[i] for i in keys]).double() if keys else None
-            if means is not None:
-                dist.all_reduce(means, group=parallel.group("tokens"))
-                means /= dist.get_world_size(parallel.group("tokens"))
-            self.sums, self.counts, self.armed = {}, {}, False
-            local = {i: math.sqrt(v) for i, v in zip(keys, means.tolist() if keys else [])}
-            stats.residual_rms = parallel.merge_over_stages(local)
-            return {}
-        stats.residual_rms = {i: math.sqrt(float(self.sums[i]) / self.counts[i]) for i in sorted(self.sums)}
+        keys = sorted(self.sums)
+        # every rank of a stage holds as many of its own tokens: the mean of the ranks' means
+        means = trainer.parallel.mean_over_tokens([float(self.sums[i]) / self.counts[i] for i in keys])
         self.sums, self.counts, self.armed = {}, {}, False
+        stats.residual_rms = trainer.parallel.merge_over_stages({i: math.sqrt(v) for i, v in zip(keys, means)})
         return {}
 
 
@@ -158,8 +148,9 @@ class UpdateRatio(Signal):
         before, self.before = self.before, None
         if before is None or not applied:
             return {}
-        if getattr(trainer, "parallel", None) is not None:  # sharded weights on several meshes: norms from shards
+        if trainer.parallel.distributed:  # sharded weights on several meshes: norms from shards
             return self._distributed(trainer.parallel, before)
+        # whole weights: float64 norms of the whole tensors (the sharded path's float32 result would round them)
         names = [name for name, _, _ in before]
         deltas = torch.stack(torch._foreach_norm(torch._foreach_sub([p for _, p, _ in before],
                                                                     [old for _, _, old in before]))).double()
@@ -192,5 +183,4 @@ class RouterBiasSpread(Signal):
         values = {f"router_bias_spread/{name}": float(moe.gate.e_score_correction_bias.max()
                                                       - moe.gate.e_score_correction_bias.min())
                   for name, moe in trainer.model.routers().items()}
-        parallel = getattr(trainer, "parallel", None)  # under PP each stage holds its own routers
-        return values if parallel is None else parallel.merge_over_stages(values)
+        return trainer.parallel.merge_over_stages(values)  # under PP each stage holds its own routers
