@@ -16,7 +16,6 @@ import torch
 
 from hybridtron.checkpoint import load_pretrained, save_pretrained
 from hybridtron.cli import main as cli_main
-from hybridtron.config import ModelConfig, parse_pattern
 from hybridtron.data.chat import save_tokenizer_files
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.model.lm import HybridLM
@@ -32,20 +31,14 @@ FAST = ["--steps", str(STEPS), "--data", "env:math", "--quiet", "--set", "sft.en
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory) -> Path:
+def base_model(tmp_path_factory, small_config) -> Path:
     """A small random model (8 experts, so EP 2 splits them) with a chat tokenizer, as an HF checkpoint."""
     conversations = load_conversations("env:math", SFTConfig(env_examples=48, env_levels=(1, 2)))
     texts = [m["content"] for c in conversations for m in c["messages"]] * 4
     tokenizer = Tokenizer.train(texts, 512)
     directory = tmp_path_factory.mktemp("sft_base") / "hf"
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=512, hidden_size=48, layers_block_type=parse_pattern("M*E-ME"), num_attention_heads=4,
-        num_key_value_heads=2, head_dim=12, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
-        ssm_state_size=8, conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=3,
-        moe_intermediate_size=24, moe_shared_expert_intermediate_size=32, moe_latent_size=16,
-        routed_scaling_factor=2.5, n_group=4, topk_group=2, num_nextn_predict_layers=1, mtp_num_depths=2,
-        max_position_embeddings=256)
+    config = small_config(vocab_size=512, mtp_num_depths=2, max_position_embeddings=256)
     save_pretrained(HybridLM(config), directory)
     save_tokenizer_files(tokenizer, directory, model_max_length=256)
     return directory

@@ -259,7 +259,11 @@ def test_cancel_mid_stream_frees_the_slot(model, tokenizer):
         engine.shutdown()
 
 
-def test_shutdown_finishes_or_cancels_what_is_in_flight(model, tokenizer):
+def test_shutdown_finishes_or_cancels_what_is_in_flight(small_config, tokenizer):
+    # a context far longer than the fixture's 256 tokens: on a loaded machine the scheduler's thread decoded a whole
+    # 256-token context between a submit and the shutdown that was to cancel it
+    torch.manual_seed(0)
+    model = HybridLM(small_config(vocab_size=640, initializer_range=0.05, max_position_embeddings=1 << 16)).eval()
     engine = HybridEngine.from_model(model, tokenizer, speculative=False, max_slots=2)
     engine.start()
     graceful = [engine.submit(p, SamplingParams(temperature=0, max_tokens=6)) for p in prompts_of([3, 5, 4])]

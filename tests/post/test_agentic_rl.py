@@ -14,7 +14,6 @@ import torch
 
 from hybridtron.checkpoint import load_pretrained, save_pretrained
 from hybridtron.cli import main as cli_main
-from hybridtron.config import ModelConfig, parse_pattern
 from hybridtron.data.chat import load_chat_tokenizer, save_tokenizer_files, tokenize_chat, tool_turn_text
 from hybridtron.data.tokenizer import IM_END, Tokenizer
 from hybridtron.envs import get_env
@@ -35,19 +34,13 @@ CONTEXT = 1536  # a math-python prompt (system turn with the python tool) is ~90
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
+def policy_dir(tmp_path_factory, small_config):
     """tests/post/test_grpo.py's small random policy with the context a tool environment's prompt needs."""
     directory = tmp_path_factory.mktemp("agentic_policy") / "hf"
     words = ["What is", "python", "code", "print", "boxed", "answer", "tool_call"] + [str(i) for i in range(100)]
     tokenizer = Tokenizer.train([" ".join(random.Random(i).choices(words, k=30)) for i in range(300)], 512)
     torch.manual_seed(0)
-    config = ModelConfig(
-        vocab_size=512, hidden_size=48, layers_block_type=parse_pattern("M*E-ME"), num_attention_heads=4,
-        num_key_value_heads=2, head_dim=12, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
-        ssm_state_size=8, conv_kernel=4, chunk_size=8, n_routed_experts=8, num_experts_per_tok=3,
-        moe_intermediate_size=24, moe_shared_expert_intermediate_size=32, moe_latent_size=16,
-        routed_scaling_factor=2.5, n_group=4, topk_group=2, num_nextn_predict_layers=1, mtp_num_depths=2,
-        max_position_embeddings=CONTEXT)
+    config = small_config(vocab_size=512, mtp_num_depths=2, max_position_embeddings=CONTEXT)
     save_pretrained(HybridLM(config), directory)
     save_tokenizer_files(tokenizer, directory, model_max_length=CONTEXT)
     return directory

@@ -48,7 +48,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
