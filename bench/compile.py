@@ -5,7 +5,7 @@
 
 Two copies of the same model (same weights, same batch): one eager with foreach AdamW (what `hybridtron pretrain`
 runs by default), one as `train.compile=true` runs it (every block, the MTP block included, compiled in place by
-`hybridtron.dist.parallelize`; torch's fused AdamW). A step is the objective's forward + backward + the optimizer
+`hybridtron.distributed.parallelize`; torch's fused AdamW). A step is the objective's forward + backward + the optimizer
 step; both apply lm_head inside the loss (`ops/linear_cross_entropy.py`, eager in both), and `--logits` adds both
 steps with the loss on the model's logits instead (the compiled one on the same compiled modules). The compiled copy
 is warmed up first (its compile time is reported apart); then the repetitions alternate the steps, so all see the
@@ -29,7 +29,7 @@ import time
 import torch
 
 from hybridtron.config import bench22m
-from hybridtron.dist.parallelize import parallelize
+from hybridtron.distributed.parallelize import parallelize
 from hybridtron.model.lm import HybridLM
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.loop import build_optimizer
@@ -79,7 +79,7 @@ def gemm_share(step) -> tuple[float, float]:
 
 def block_times(model, batch: int, seq: int, repeats: int, precision: str) -> list[tuple[str, float, float]]:
     """(block kind, eager seconds, compiled seconds) of one block of each kind, forward + backward alone."""
-    from hybridtron.dist.parallelize import _all_blocks, _get
+    from hybridtron.distributed.parallelize import _all_blocks, _get
 
     device = next(model.parameters()).device
     hidden = torch.randn(batch, seq, model.config.hidden_size, requires_grad=True, device=device)

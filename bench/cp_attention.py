@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hybridtron.config import bench22m
-from hybridtron.dist.context_parallel import apply_context_parallel
+from hybridtron.distributed.context_parallel import apply_context_parallel
 from hybridtron.model.attention import Attention
 
 from grpo import cpu_model

@@ -19,7 +19,7 @@ import os
 import torch
 
 from hybridtron.config import bench22m
-from hybridtron.dist.context_parallel import chunk_attention, own_chunks
+from hybridtron.distributed.context_parallel import chunk_attention, own_chunks
 
 import clock
 from clock import timed

@@ -13,7 +13,7 @@ not a speedup).
 The all-to-all share: one MoE layer's forward and backward on this rank's tokens, profiled; the time in the
 dispatch and combine all-to-alls (and their waits) over the layer's time.
 
-The planner's estimate (`hybridtron.dist.plan.estimate`) for the same model, batch and layout on a "cluster" of
+The planner's estimate (`hybridtron.distributed.plan.estimate`) for the same model, batch and layout on a "cluster" of
 this machine: the fp32 matmul rate measured here as every GEMM's peak, gloo's measured all-reduce bus bandwidth as
 every link's, efficiencies 1. It models GEMMs, attention, the scan and the collectives' bytes, not per-op
 overheads, so on a CPU it is a lower bound; the ratio says how much of a measured step the model explains.
@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 
 from hybridtron.config import PRESETS, preset
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.costs import Cluster
-from hybridtron.dist.mesh import init_parallel
-from hybridtron.dist.parallelize import parallelize
-from hybridtron.dist.plan import Estimate, Layout, Workload, estimate
-from hybridtron.dist.step import DataParallelBatches
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.costs import Cluster
+from hybridtron.distributed.mesh import init_parallel
+from hybridtron.distributed.parallelize import parallelize
+from hybridtron.distributed.plan import Estimate, Layout, Workload, estimate
+from hybridtron.distributed.step import DataParallelBatches
 from hybridtron.model.lm import HybridLM
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.train.config import TrainConfig
@@ -95,7 +95,7 @@ def moe_alltoall_share(model, parallel, batch: int, seq: int) -> float | None:
     """The all-to-all's share of one MoE block's forward + backward on this rank's tokens (EP layouts only)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from hybridtron.dist.expert_parallel import ExpertParallelExperts
+    from hybridtron.distributed.expert_parallel import ExpertParallelExperts
 
     blocks = [layer for layer in model.backbone.layers if getattr(layer, "kind", None) == "moe"
               and isinstance(layer.mixer.experts, ExpertParallelExperts)]

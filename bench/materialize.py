@@ -1,5 +1,5 @@
 """Peak memory per rank of building a sharded model: the whole model on every rank, then `parallelize`, against the
-meta-device build that `hybridtron pretrain` runs under torchrun (`hybridtron.dist.materialize`).
+meta-device build that `hybridtron pretrain` runs under torchrun (`hybridtron.distributed.materialize`).
 
     python bench/materialize.py [--preset bench22m] [--depth 8] [--worlds 2,4] [--layout dp_shard]
 
@@ -29,9 +29,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hybridtron.config import PRESETS, preset
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.mesh import init_parallel
-from hybridtron.dist.parallelize import parallelize
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.mesh import init_parallel
+from hybridtron.distributed.parallelize import parallelize
 from hybridtron.model.lm import HybridLM
 
 

@@ -13,7 +13,7 @@
 #    the distributed path on a mesh of one with NCCL; the loss curves side by side (fp32 on both, so they differ
 #    by float rounding in other kernels' orders, and by TF32 wherever torch's defaults let cuDNN use it), then the
 #    same on CUDA with train.compile, bf16 and nvfp4, and with dist.offload_optimizer (FSDP2's CPU offload); then
-#    tests/dist/offload_worker.py on cuda:0 with and without the offload: where the master weights, gradients and
+#    tests/distributed/offload_worker.py on cuda:0 with and without the offload: where the master weights, gradients and
 #    AdamW moments are (bytes by device, to compare with `hybridtron plan`'s) and what is left allocated on the GPU;
 # 3. `hybridtron sft` on one torchrun process on cuda:0 from that export (a few steps);
 # 4. bench/compile.py on cuda: eager against train.compile on bench22m, tokens/s and MFU against the measured peak,
@@ -85,7 +85,7 @@ print()
 EOF
 
 step offload_placement 120 $python -m torch.distributed.run --standalone --nproc-per-node 1 \
-    tests/dist/offload_worker.py "$out/offload.json" steps=3 offload_optimizer=1,steps=3
+    tests/distributed/offload_worker.py "$out/offload.json" steps=3 offload_optimizer=1,steps=3
 $python - "$out/offload.json" >>"$summary" 2>&1 <<'EOF'
 import json, sys
 from pathlib import Path

@@ -23,13 +23,13 @@ torch.set_num_threads(1)
 # first, so that both workers end on short modules together. (One worker running every multi-process module in turn
 # would be the long pole: they are half the suite's time.)
 LONGEST_MODULES = (
-    "tests/dist/test_dist_checkpoints.py", "tests/experiments/test_ladder.py", "tests/dist/test_dist_rl.py",
+    "tests/distributed/test_dist_checkpoints.py", "tests/experiments/test_ladder.py", "tests/distributed/test_dist_rl.py",
     "tests/with_vllm/test_vllm_rollouts.py", "tests/with_vllm/test_vllm_exports.py",
-    "tests/post/test_roles.py", "tests/dist/test_parallel_layouts.py", "tests/train/test_pretrain.py",
+    "tests/post/test_roles.py", "tests/distributed/test_parallel_layouts.py", "tests/train/test_pretrain.py",
     "tests/post/test_grpo.py", "tests/train/test_run_scaffold.py", "tests/post/test_mopd.py",
-    "tests/recipe/test_pipeline.py", "tests/dist/test_dist_sft.py", "tests/dist/test_hyperball_dist.py",
-    "tests/dist/test_ring_attention.py", "tests/train/test_monitor.py", "tests/train/test_report.py",
-    "tests/train/test_fault_injection.py", "tests/dist/test_document_mask_layouts.py", "tests/train/test_golden.py",
+    "tests/recipe/test_pipeline.py", "tests/distributed/test_dist_sft.py", "tests/distributed/test_hyperball_dist.py",
+    "tests/distributed/test_ring_attention.py", "tests/train/test_monitor.py", "tests/train/test_report.py",
+    "tests/train/test_fault_injection.py", "tests/distributed/test_document_mask_layouts.py", "tests/train/test_golden.py",
     "tests/infer/test_compiled_decode.py", "tests/train/test_preflight.py",
 )
 

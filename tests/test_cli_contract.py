@@ -226,11 +226,11 @@ def test_output_into_a_closed_pipe_ends_quietly(argv):
 def test_a_broken_pipe_of_the_commands_own_is_not_hidden(monkeypatch):
     """A BrokenPipeError while stdout's reader is still there (a worker process the command talks to died) is a
     failure, not `| head`: it propagates instead of ending quietly."""
-    import hybridtron.dist.plan
+    import hybridtron.distributed.plan
 
     def broken(args):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(hybridtron.dist.plan, "run", broken)
+    monkeypatch.setattr(hybridtron.distributed.plan, "run", broken)
     with pytest.raises(BrokenPipeError):
         main(["plan", "--preset", "tiny", "--gpus", "1"])

@@ -1,11 +1,11 @@
 """The import contract: dependencies run one way,
 
-    config, errors, files < ops < model < numerics < checkpoint < data < envs < dist < train, infer
+    config, errors, files < ops < model < numerics < checkpoint < data < envs < distributed < train, infer
     < eval, deploy < post < recipe, experiments < cli
 
 A module may import its own layer and the layers below, at module level or inside a function alike; train and
-infer, side by side, never import each other, and neither do eval and deploy, or recipe and experiments. dist is one layer, below
-train: its runtime (mesh, parallelize, the TP / EP / CP / PP pieces) and its planner (`hybridtron plan`, pure
+infer, side by side, never import each other, and neither do eval and deploy, or recipe and experiments.
+distributed is one layer, below train: its runtime (mesh, parallelize, the TP / EP / CP / PP pieces) and its planner (`hybridtron plan`, pure
 arithmetic over the model config) and `hybridtron convert` (checkpoint formats) need nothing above it.
 
 Beyond the order: no import cycle between the package's modules (function-local imports included: a cycle hidden
@@ -24,7 +24,7 @@ import hybridtron
 
 PACKAGE = Path(hybridtron.__file__).parent
 LAYERS = [("config", "errors", "files"), ("ops",), ("model",), ("numerics",), ("checkpoint",), ("data",), ("envs",),
-          ("dist",), ("train", "infer"), ("eval", "deploy"), ("post",), ("recipe", "experiments"), ("cli", "__main__")]
+          ("distributed",), ("train", "infer"), ("eval", "deploy"), ("post",), ("recipe", "experiments"), ("cli", "__main__")]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 SIDE_BY_SIDE = {("train", "infer"), ("infer", "train"), ("eval", "deploy"), ("deploy", "eval"),
                 ("recipe", "experiments"), ("experiments", "recipe")}

@@ -31,7 +31,7 @@ def test_every_test_directory_is_collected():
                if any(fnmatch.fnmatch(part, pattern) for part in path.relative_to(TESTS).parts[:-1]
                       for pattern in patterns)]
     assert skipped == []
-    assert "dist" not in patterns and (TESTS / "dist" / "test_parallel_layouts.py").is_file()
+    assert "dist" not in patterns and (TESTS / "distributed" / "test_parallel_layouts.py").is_file()
 
 
 def test_the_modules_scheduled_first_exist(pytestconfig):

@@ -35,8 +35,8 @@ COMMANDS = {
     "mopd": ("hybridtron.post.mopd", "multi-teacher on-policy distillation: each domain's teacher scores the student"),
     "mtp-boost": ("hybridtron.post.mtp_boost", "train only the MTP block to raise speculative acceptance"),
     "pipeline": ("hybridtron.recipe.pipeline", "the whole recipe, pretraining to MTP boosting, resumable stage by stage"),
-    "plan": ("hybridtron.dist.plan", "rank parallel layouts (DP, TP, PP, CP, EP) by memory and step time"),
-    "convert": ("hybridtron.dist.convert", "convert a sharded (DCP) training checkpoint to HF, or HF to DCP"),
+    "plan": ("hybridtron.distributed.plan", "rank parallel layouts (DP, TP, PP, CP, EP) by memory and step time"),
+    "convert": ("hybridtron.distributed.convert", "convert a sharded (DCP) training checkpoint to HF, or HF to DCP"),
     "slice": ("hybridtron.deploy.slice", "an N-layer slice of a checkpoint (or of a preset's config) for smoke tests"),
     "quantize": ("hybridtron.deploy.quantize", "post-training quantization to NVFP4 or FP8 in ModelOpt's format"),
 }

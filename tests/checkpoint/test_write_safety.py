@@ -21,8 +21,8 @@ from hybridtron.checkpoint.hf import load_pretrained, save_pretrained
 from hybridtron.cli import main
 from hybridtron.data.chat import save_tokenizer_files
 from hybridtron.data.tokenizer import Tokenizer
-from hybridtron.dist.convert import load_dcp_model
-from hybridtron.dist.mesh import Parallel
+from hybridtron.distributed.convert import load_dcp_model
+from hybridtron.distributed.mesh import Parallel
 from hybridtron.files import METRICS_FILE, RUN_CONFIG
 from hybridtron.model.lm import HybridLM
 from hybridtron.train.run import export_model

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridtron.config import ATTENTION
-from hybridtron.dist.costs import core_flops_per_token, mean_keys_per_query
+from hybridtron.distributed.costs import core_flops_per_token, mean_keys_per_query
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.infer.cache import HybridCache
 from hybridtron.infer.engine import HybridEngine

@@ -191,7 +191,7 @@ def test_windowed_model_logits_and_losses_match_the_reference_mixers(small_confi
 
 
 def test_context_parallelism_refuses_a_windowed_model(small_config):
-    from hybridtron.dist.context_parallel import apply_context_parallel
+    from hybridtron.distributed.context_parallel import apply_context_parallel
 
     model = HybridLM.on_meta(small_config(sliding_window=4))
     for form in ("all-gather", "ring"):

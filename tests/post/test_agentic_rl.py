@@ -229,7 +229,7 @@ def test_the_learner_replays_each_turns_routing_and_matches_the_engines_log_prob
     for replay in (False, True):
         objective = GRPOObjective(tiny_grpo(temperature=0.9, routing_replay=replay, mtp_loss_weight=0.0), 0)
         with torch.no_grad():
-            _, logp = objective.policy_logprobs(model.eval(), mb)
+            logp = objective.scores(objective.forward(model.eval(), mb)[0], mb).logp
         for name, moe in routers.items():  # without replay: the learner's own choice, the same as the turns'
             assert torch.equal(moe.last_expert_ids[valid], mb.expert_ids[name].flatten(0, 1)[valid]), name
         diff = (logp - mb.rollout_logprobs).abs()[mb.completion_mask]

@@ -120,7 +120,7 @@ def _parity(model, tokenizer, speculative, temperature=0.9, top_p=1.0, engine_mo
     mb = pack_micro_batches(batch, 1)[0]
     objective = GRPOObjective(tiny_grpo(temperature=temperature, top_p=top_p, mtp_loss_weight=0.0), 0)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        _, logp = objective.policy_logprobs(model.eval(), mb)
+        logp = objective.scores(objective.forward(model.eval(), mb)[0], mb).logp
     diff = (logp - mb.rollout_logprobs).abs()[mb.completion_mask]
     return float(diff.max()), float(diff.mean()), int(mb.completion_mask.sum())
 
@@ -163,7 +163,7 @@ def test_routing_replay_forces_the_rollout_experts_and_the_router_still_learns(p
     for replay in (True, False):
         objective = GRPOObjective(tiny_grpo(routing_replay=replay, mtp_loss_weight=0.0), 0)
         learner.zero_grad()
-        _, logp = objective.policy_logprobs(learner, mb)
+        logp = objective.scores(objective.forward(learner, mb)[0], mb).logp  # routing replayed by `forward`
         logp[mb.completion_mask].sum().backward()
         same = [torch.equal(moe.last_expert_ids[valid], mb.expert_ids[name].flatten(0, 1)[valid])
                 for name, moe in routers.items()]
@@ -498,7 +498,7 @@ def _grpo(model, out, *extra):
 
 
 def grpo_argv(model, out, *extra) -> list[str]:
-    """A short GRPO run on the toy environment (also what tests/dist/test_dist_rl.py runs under torchrun)."""
+    """A short GRPO run on the toy environment (also what tests/distributed/test_dist_rl.py runs under torchrun)."""
     return ["grpo", "--model", str(model), "--env", TOY, "--out", str(out), "--quiet",
             "--set", "grpo.group_size=4", "--set", "grpo.prompts_per_step=2", "--set", "grpo.task_pool=40",
             "--set", "grpo.max_new_tokens=10", "--set", "grpo.draft_length=2", "--set", "grpo.levels=1",

@@ -25,7 +25,7 @@ from hybridtron.train.config import TrainConfig, build_section, read_toml
 from hybridtron.train.hooks import Hook
 from hybridtron.train.loop import Trainer
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "dist"))  # the torchrun helpers of the DP tests
+sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))  # the torchrun helpers of the DP tests
 from test_grpo import _grpo, _lines, _random_batch, _same, grpo_argv, policy_dir  # noqa: E402,F401  (a fixture)
 from test_dist_rl import assert_same_steps, layout_args, records, torchrun  # noqa: E402
 from test_mopd import _mopd, models  # noqa: E402,F401  (models: the fixture)

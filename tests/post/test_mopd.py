@@ -416,7 +416,7 @@ def _mopd(models, out, *extra, teachers=None):
 
 
 def mopd_argv(models, out, *extra, teachers=None) -> list[str]:
-    """A short MOPD run on the toy domains (also what tests/dist/test_dist_rl.py runs under torchrun)."""
+    """A short MOPD run on the toy domains (also what tests/distributed/test_dist_rl.py runs under torchrun)."""
     teachers = f"alpha={models['alpha']}" if teachers is None else teachers
     return ["mopd", "--student", str(models["student"]), "--teachers", teachers,
             "--general", str(models["beta"]), "--out", str(out), "--quiet",

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from hybridtron.checkpoint.dcp import CheckpointManager
 from hybridtron.data.batch import TokenBatch
-from hybridtron.dist.context_parallel import shard_sequence
+from hybridtron.distributed.context_parallel import shard_sequence
 from hybridtron.model.lm import HybridLM, mtp_targets
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.post.sft import SFTObjective

@@ -1,7 +1,7 @@
 """The matrix optimizers of `train.optimizer` (hybridtron.train.optimizers): single steps of AdamH and MuonH against
 their formulas written out here in numpy, plain Muon against torch.optim.Muon and the AdamW part against torch's
 AdamW bit for bit, the sphere kept over a run (per expert for stacked experts), the parameter split, the state
-round trip and a resumed Trainer, and the one-line errors. The sharded layouts: tests/dist/test_hyperball_dist.py."""
+round trip and a resumed Trainer, and the one-line errors. The sharded layouts: tests/distributed/test_hyperball_dist.py."""
 
 from __future__ import annotations
 

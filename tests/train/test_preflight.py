@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridtron.cli import main
-from hybridtron.dist.config import DistConfig
+from hybridtron.distributed.config import DistConfig
 from hybridtron.train import preflight
 from hybridtron.train.config import TrainConfig
 

@@ -1,7 +1,7 @@
 """Long rows in one process (issue 39, item 3): `train.recompute` reaches a single-process run as it reaches a torchrun
 one, and pretraining's loss never holds [tokens, vocab] logits, for the main head or the MTP depths.
 
-The recompute equality of the model's own loss is tests/dist/test_parallel_pieces.py's; here the run is built as
+The recompute equality of the model's own loss is tests/distributed/test_parallel_pieces.py's; here the run is built as
 `hybridtron pretrain` builds it (`assemble_trainer`, `PretrainObjective` with its fused lm_head + CE) and one
 trainer step is compared, so a run command that skipped `parallelize`, or a wrapper that hid lm_head from the fused
 loss, would show."""
@@ -16,8 +16,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridtron.data.batch import TokenBatch
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.parallelize import parallelize
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.parallelize import parallelize
 from hybridtron.model.lm import HybridLM
 from hybridtron.ops import linear_cross_entropy as linear_cross_entropy_module
 from hybridtron.train.config import TrainConfig

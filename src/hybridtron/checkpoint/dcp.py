@@ -60,7 +60,8 @@ def _copy(obj):
 
 class _Staged:
     """DCP's async stager for a state that `CheckpointManager.save` has already copied: nothing more to do (the
-    default stager would copy it again, and cannot copy the DTensor views over local shards of hybridtron.dist.state)."""
+    default stager would copy it again, and cannot copy the DTensor views over local shards of
+    hybridtron.distributed.state)."""
 
     _synchronize_after_execute = False
     should_synchronize_after_execute = False

@@ -141,7 +141,7 @@ class HybridLM(nn.Module):
         log(1..heads), D = 1, dt_bias = softplus^-1(dt) with dt log-uniform in [time_step_min, time_step_max]
         floored at time_step_floor, conv1d U(+-1/sqrt(kernel)), and out_proj scaled by 1/sqrt(n_layers) so the
         residual stream does not grow with depth. Each fill reads only its own tensor's shape: a sharded build
-        (`hybridtron.dist.materialize`) runs them one whole tensor at a time, in this order, and keeps its shard,
+        (`hybridtron.distributed.materialize`) runs them one whole tensor at a time, in this order, and keeps its shard,
         so every layout starts from the weights one process draws from the same seed."""
         cfg, std = self.config, self.config.initializer_range
         mamba = [(name, module) for name, module in self.named_modules() if isinstance(module, Mamba2Mixer)]
@@ -204,7 +204,7 @@ class HybridLM(nn.Module):
         paths, `hybridtron.infer.fastpath`). `logits=False`: stop before lm_head (`logits` None, `mtp_logits` empty):
         `hidden` and `mtp_hidden` are what it would read, for a loss that applies it itself (no `labels` then).
         `following_ids` [B, <= mtp_num_depths]: the tokens after `input_ids` when they are a window of a longer
-        sequence (a context-parallel chunk, `hybridtron.dist.context_parallel`): MTP depth k at the window's last
+        sequence (a context-parallel chunk, `hybridtron.distributed.context_parallel`): MTP depth k at the window's last
         positions reads their embeddings instead of the padding past an end; PAST_END where the sequence ends.
         `counted` [B, T] bool (with `following_ids`: [B, T + following]): the real positions, not padding (whose
         amount depends on how ragged rows were batched); the expert counts then include the backbone's routing at

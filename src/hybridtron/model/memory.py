@@ -1,6 +1,6 @@
 """What a model keeps per token and per sequence while it decodes: the one statement of KV cache and Mamba state
 bytes, which the memory command and the engine's slots (`hybridtron.infer.memory`) and the serving planner
-(`hybridtron.dist.serving`) all read.
+(`hybridtron.distributed.serving`) all read.
 
 Attention layers cache one K and one V row per token: `attention layers * 2 * kv heads * head_dim * bytes`
 per token, growing with the context, except a windowed layer's (`config.windowed_layers`), which holds at most its

@@ -67,7 +67,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from hybridtron.config import ModelConfig
-from hybridtron.dist.config import DistConfig
+from hybridtron.distributed.config import DistConfig
 from hybridtron.envs import env_names
 from hybridtron.post.losses import (GRPOLossConfig, grpo_loss, masked_mean, masked_range, mismatch_metrics,
                                     rollout_correction)
@@ -162,7 +162,7 @@ class GRPORunConfig(SectionedConfig):
     grpo: GRPOConfig = GRPOConfig()
     train: TrainConfig = TrainConfig(**GRPO_TRAIN)
     monitor: MonitorConfig = MonitorConfig()
-    dist: DistConfig = DistConfig()  # the learner's layout under torchrun (hybridtron.dist; pretraining's [dist])
+    dist: DistConfig = DistConfig()  # the learner's layout under torchrun (pretraining's [dist])
 
     def command_line(self) -> str:
         return f"hybridtron grpo --model {self.base_model} --env {self.env}"
@@ -175,7 +175,7 @@ class GRPOObjective(RolloutObjective):
 
     The k3 KL to the frozen initial model (kl_coef > 0, or only logged: reference_kl) reads its log-probs from the
     rollouts' `scores["reference"]` (the reference-scoring role, hybridtron.post.reference). `parallel` (a sharded
-    learner, hybridtron.dist): see RolloutObjective. `mtp_depths`: the model's.
+    learner, hybridtron.distributed): see RolloutObjective. `mtp_depths`: the model's.
 
     Metrics, each the step's value: loss, policy_loss, mtp_loss_<d>; over the policy tokens: clip_fraction,
     clip_fraction_low / _high, ratio_mean, approx_kl (k3 to the old policy), kl (with a reference), and the ratio's
@@ -189,12 +189,6 @@ class GRPOObjective(RolloutObjective):
         """completion tokens, policy tokens, policy sequences"""
         mask = mb.policy_mask
         return [mb.completion_mask.sum(), mask.sum(), mask.any(dim=1).sum()]
-
-    def policy_logprobs(self, model, mb):
-        """(the model's outputs (`HeadOutputs`), log-probs [B, L] of the labels) of one micro-batch, with routing
-        replay."""
-        outputs, _ = self.forward(model, mb)
-        return outputs, self.scores(outputs, mb).logp
 
     def loss_from_outputs(self, model, outputs, mb, expert_counts=None):
         """The GRPO loss and metrics of a micro-batch from the learner's outputs (`forward`'s, or a pipeline's last

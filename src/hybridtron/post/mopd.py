@@ -70,7 +70,7 @@ from typing import ClassVar
 import torch
 
 from hybridtron.config import ModelConfig
-from hybridtron.dist.config import DistConfig
+from hybridtron.distributed.config import DistConfig
 from hybridtron.post.losses import MOPDLossConfig, masked_mean, masked_range, mopd_loss, topk_reverse_kl
 from hybridtron.post.mixture import MixtureEnv, MixtureRolloutRole, domain_quotas
 from hybridtron.post.mopd_warmup import WARMUP_DATA, warmup_conversations, write_once

@@ -24,9 +24,9 @@ The recipe (Nemotron 3 Ultra's first post-training stage, at any scale):
   for bit, metrics.jsonl and progress bar; validation is the held-out conversations' masked CE
   (`hybridtron.train.evaluate.HeldOutLoss`), at step 0, every `train.val_every` steps and at the end.
 - Under torchrun (`torchrun --nproc-per-node N -m hybridtron sft ...`) the `[dist]` section lays the model out
-  as pretraining does (hybridtron.dist: FSDP2, TP, EP, PP, CP); each data-parallel rank trains on its rows of every
-  micro-batch (under CP its share of their positions) and the token mean is over the whole global batch, so the
-  losses are those of one process.
+  as pretraining does (hybridtron.distributed: FSDP2, TP, EP, PP, CP); each data-parallel rank trains on its rows of
+  every micro-batch (under CP its share of their positions) and the token mean is over the whole global batch, so
+  the losses are those of one process.
 - [model] is the checkpoint's (its config.json); SFT does not change it. [train] has SFT's own defaults
   (`SFT_TRAIN`: 800 steps, peak LR 2e-3 after a 10-step warmup, the last 20% decaying), [sft] rows of 256 tokens.
 
@@ -54,9 +54,9 @@ from hybridtron.config import ModelConfig
 from hybridtron.data.batch import as_token_batch
 from hybridtron.data.chat import load_chat_tokenizer
 from hybridtron.data.sft import SFTDataConfig, build_sft_data, conversations_from
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.mesh import check_run_layout, world_from_env
-from hybridtron.dist.step import held_out_shares
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.mesh import check_run_layout, world_from_env
+from hybridtron.distributed.step import held_out_shares
 from hybridtron.envs import ENV_PREFIX, env_sft_examples
 from hybridtron.ops.cross_entropy import IGNORE_INDEX, cross_entropy
 from hybridtron.train.config import SectionedConfig, TrainConfig
@@ -112,7 +112,7 @@ class SFTRunConfig(SectionedConfig):
     sft: SFTConfig = SFTConfig()
     train: TrainConfig = TrainConfig(**SFT_TRAIN)
     monitor: MonitorConfig = MonitorConfig()
-    dist: DistConfig = DistConfig()  # the layout under torchrun (hybridtron.dist; pretraining's [dist])
+    dist: DistConfig = DistConfig()  # the layout under torchrun (hybridtron.distributed; pretraining's [dist])
 
     def command_line(self) -> str:
         return f"hybridtron sft --model {self.base_model} --data {self.data}"

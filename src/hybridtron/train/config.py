@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from hybridtron.config import ModelConfig, preset
 from hybridtron.data import DataConfig
-from hybridtron.dist.config import DistConfig
+from hybridtron.distributed.config import DistConfig
 from hybridtron.files import atomic_write_json
 from hybridtron.train.monitor.config import MonitorConfig
 

@@ -38,10 +38,10 @@ from hybridtron.data.build import DataConfig
 from hybridtron.data.chat import load_chat_tokenizer
 from hybridtron.data.sft import SFTDataConfig, build_sft_data, conversations_from
 from hybridtron.data.tokenizer import Tokenizer
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.convert import load_dcp_model, model_config_of, tokenizer_dir_of
-from hybridtron.dist.mesh import check_run_layout, world_from_env
-from hybridtron.dist.step import held_out_shares
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.convert import load_dcp_model, model_config_of, tokenizer_dir_of
+from hybridtron.distributed.mesh import check_run_layout, world_from_env
+from hybridtron.distributed.step import held_out_shares
 from hybridtron.envs import ENV_PREFIX, env_sft_examples
 from hybridtron.train.config import SectionedConfig, TrainConfig
 from hybridtron.train.evaluate import HeldOutLoss

@@ -19,7 +19,7 @@ One optimizer step, as `Trainer.train` reads:
 Everything that decides what a step does is in this file; hooks only observe (hybridtron.train.hooks), and fault
 drills install themselves from outside (hybridtron.train.monitor.faults).
 
-Parallel (`parallel`, a `hybridtron.dist.mesh.Parallel`; the model parallelized by `hybridtron.dist.parallelize`,
+Parallel (`parallel`, a `hybridtron.distributed.mesh.Parallel`; the model parallelized by `hybridtron.distributed.parallelize`,
 the batch source giving this rank's rows): every rank runs this same loop, and a single process runs it as a world of
 one (`Parallel.single_process`: no process group, every collective the identity). The objective's metrics and token
 counts are summed over the data-parallel ranks, gradient norms are taken over the sharded gradients, expert
@@ -41,11 +41,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hybridtron.checkpoint.dcp import CheckpointManager, saved_keys, step_of
-from hybridtron.dist.expert_parallel import dropped_shares
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.parallelize import set_output_reduce_dtype
-from hybridtron.dist.state import checkpoint_state
-from hybridtron.dist.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics, step_ranges
+from hybridtron.distributed.expert_parallel import dropped_shares
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.parallelize import set_output_reduce_dtype
+from hybridtron.distributed.state import checkpoint_state
+from hybridtron.distributed.step import clip_grads_, global_grad_norms, merge_balance_states, step_metrics, step_ranges
 from hybridtron.errors import RunInterrupted
 from hybridtron.numerics.grad_accum import ACCUM_DTYPES, flush_main_grads, set_output_accumulation
 from hybridtron.numerics.linear import load_sr_generator_states, sr_generator_states
@@ -312,7 +312,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ checkpoints
     def tensor_state(self) -> dict:
         """Model and optimizer state keyed by parameter name (DCP's form; it also gives a fresh optimizer the
-        state tensors a load fills in). Distributed: sharded, in the single-process layout (hybridtron.dist.state),
+        state tensors a load fills in). Distributed: sharded, in the single-process layout (hybridtron.distributed.state),
         so any world size and layout can load it."""
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         return {"model": model_state, "optimizer": optimizer_state}

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hybridtron.data.batch import TokenBatch, as_token_batch
-from hybridtron.dist.pipeline import MicroBatchInputs
+from hybridtron.distributed.pipeline import MicroBatchInputs
 from hybridtron.model.lm import cross_entropy, mean_or_zero, mtp_targets
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.ops.linear_cross_entropy import linear_cross_entropy

@@ -43,7 +43,7 @@ from torch.optim.adam import adam
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr, \
     _zeropower_via_newtonschulz
 
-from hybridtron.dist.state import canonical_name
+from hybridtron.distributed.state import canonical_name
 from hybridtron.train.config import TrainConfig
 
 ADAMW, ADAMH, MUONH, MUON = "adamw", "adamh", "muonh", "muon"

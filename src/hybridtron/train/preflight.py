@@ -1,7 +1,7 @@
 """Checks before training starts: will the run fit in memory, and is the chosen precision fast on this machine.
 
 Memory (`check_memory`): an estimate, not a measurement, so that a run that cannot fit fails on every rank before
-it allocates anything, with its numbers. It is the planner's per-GPU memory model (`hybridtron.dist.plan.estimate`,
+it allocates anything, with its numbers. It is the planner's per-GPU memory model (`hybridtron.distributed.plan.estimate`,
 what `hybridtron plan --layout` prints) applied to the run's layout, on the fullest rank (the fullest pipeline
 stage):
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from hybridtron.config import ModelConfig
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.costs import GiB, cluster_for, parameter_count
-from hybridtron.dist.layout import Layout, Workload
-from hybridtron.dist.mesh import run_device, world_from_env
-from hybridtron.dist.plan import Estimate, estimate
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.costs import GiB, cluster_for, parameter_count
+from hybridtron.distributed.layout import Layout, Workload
+from hybridtron.distributed.mesh import run_device, world_from_env
+from hybridtron.distributed.plan import Estimate, estimate
 from hybridtron.train.config import TrainConfig
 
 BF16_SLOWDOWN_WARNING = 4.0  # warn when a bf16 matmul is this many times slower than fp32

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from hybridtron.config import PRESETS, preset
 from hybridtron.data import build_data
-from hybridtron.dist.mesh import check_run_layout, world_from_env
-from hybridtron.dist.step import held_out_shares
+from hybridtron.distributed.mesh import check_run_layout, world_from_env
+from hybridtron.distributed.step import held_out_shares
 from hybridtron.files import RUN_CONFIG
 from hybridtron.model.lm import HybridLM
 from hybridtron.train.config import RunConfig
@@ -62,7 +62,7 @@ def build_pretraining(config: RunConfig, out: Path, checkpoints, *, quiet: bool,
         print(data.mixture_report.format(max_rows=12), file=stream)
 
     # every rank builds the model on the meta device and `parallelize` fills in its own shards
-    # (hybridtron.dist.materialize): no rank holds the whole model, and every layout starts from these weights
+    # (hybridtron.distributed.materialize): no rank holds the whole model, and every layout starts from these weights
     model = HybridLM.on_meta(model_config)
     val_batches = [batch.to(parallel.device) for batch in data.val_batches]
     val_batches, sum_over_shares = held_out_shares(val_batches, parallel)  # under CP: this rank's shares

@@ -52,10 +52,10 @@ from hybridtron.checkpoint.dcp import CheckpointManager, step_of
 from hybridtron.checkpoint.hf import check_checkpoint_target, resolve_checkpoint_dir, save_pretrained, staged_checkpoint
 from hybridtron.config import HYBRIDTRON_H, ModelConfig
 from hybridtron.data.chat import save_tokenizer_files
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.mesh import Parallel, init_parallel, run_device
-from hybridtron.dist.parallelize import parallelize
-from hybridtron.dist.step import DataParallelBatches, full_state_dict
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.mesh import Parallel, init_parallel, run_device
+from hybridtron.distributed.parallelize import parallelize
+from hybridtron.distributed.step import DataParallelBatches, full_state_dict
 from hybridtron.errors import RunInterrupted
 from hybridtron.files import METRICS_FILE, RUN_CONFIG
 from hybridtron.model.lm import HybridLM
@@ -450,7 +450,7 @@ def restarted_by_torchrun() -> bool:
 
 def start_parallel(dist_config, model_config, *, batch_size: int, grad_accum: int, seq_len: int,
                    context_parallel: bool = False):
-    """The run's process groups (hybridtron.dist.mesh.init_parallel): a world of one without any for one process
+    """The run's process groups (hybridtron.distributed.mesh.init_parallel): a world of one without any for one process
     and the default layout; a layout the planner rejects is a ValueError before any process group is built.
     `context_parallel`: the run's batches can be split by position (pretraining's fixed-length sequences)."""
     return init_parallel(dist_config, model_config, batch_size=batch_size, grad_accum=grad_accum, seq_len=seq_len,

@@ -56,7 +56,7 @@ from hybridtron.data.chat import declared_chat_template, load_chat_tokenizer, to
 from hybridtron.data.sft import read_conversations
 from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.files import METRICS_FILE, atomic_write_json
-from hybridtron.dist.mesh import Parallel
+from hybridtron.distributed.mesh import Parallel
 from hybridtron.infer.speculative import MAX_DRAFT_LENGTH, check_drafter
 from hybridtron.model.lm import HybridLM
 from hybridtron.post.mtp_boost.training import AcceptanceLength, BoostObjective, PoolBatches, on_policy_samples

@@ -25,9 +25,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from hybridtron.dist.context_parallel import chunk_rows, chunk_rows_ahead, shard_sequence
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.step import full_state_dict
+from hybridtron.distributed.context_parallel import chunk_rows, chunk_rows_ahead, shard_sequence
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.step import full_state_dict
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.post.rl.roles import RolePipeline
 from hybridtron.post.rl.rollout import ROLLOUT_ROLE, Rollout, RolloutBatch, RolloutRequest
@@ -129,7 +129,7 @@ class RolloutMicroBatch:
 
     def share(self, rank: int, size: int, lookahead: int) -> "RolloutMicroBatch":
         """Cp rank `rank` of `size`'s part of every row (context parallelism: its head and tail chunks of the row's
-        positions as two rows, `hybridtron.dist.context_parallel.shard_sequence`), with the `lookahead` ids and
+        positions as two rows, `hybridtron.distributed.context_parallel.shard_sequence`), with the `lookahead` ids and
         labels after each chunk. A row's own values (advantage, trained, domain) go with both its chunks."""
         input_ids, labels_ahead, following_ids = shard_sequence(self.input_ids, self.labels, rank, size, lookahead)
         length = input_ids.shape[1]
@@ -278,7 +278,7 @@ class RolloutBatches(BatchSource):
     rollout role once a rollout batch, after its last step (as miles and verl update the rollout engine once per
     rollout batch), so the staleness bound counts rollout batches.
 
-    `parallel` (a sharded learner under torchrun, hybridtron.dist): each rank trains on its data-parallel rows of
+    `parallel` (a sharded learner under torchrun, hybridtron.distributed): each rank trains on its data-parallel rows of
     every micro-batch (`shard_micro_batch`), so the step is the one a single process takes. With `shared` (inline
     roles, built with a `WorkShare`) every rank runs the pipeline on the full weights, which every rank gathers
     (`dist.step.full_state_dict`), each generating and scoring its share of the step's rollouts, and every rank

@@ -18,7 +18,7 @@ import torch
 
 from hybridtron.checkpoint import load_pretrained
 from hybridtron.data.chat import load_chat_tokenizer
-from hybridtron.dist.mesh import Layout, check_run_layout, world_from_env
+from hybridtron.distributed.mesh import Layout, check_run_layout, world_from_env
 from hybridtron.post.rl.batches import RolloutBatches, rollout_pipeline_factory, sharded_length
 from hybridtron.post.rl.config import RolloutConfig
 from hybridtron.post.rl.engines.vllm import check_vllm

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hybridtron.data.chat import THINKING_SWITCH
-from hybridtron.dist.vllm_layout import EngineLayout
+from hybridtron.distributed.vllm_layout import EngineLayout
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.post.rl.engines import ENGINES, WEIGHT_SYNCS
 from hybridtron.post.rl.roles import BACKENDS, check_replicas
@@ -58,8 +58,8 @@ class RolloutConfig:
     # rollouts
     engine: str = "hybridtron"  # what generates them: hybridtron (its own engine) or vllm (hybridtron.post.rl.engines)
     weight_sync: str = "reload"  # vllm: how the weights reach it, reload (from a directory) or nccl (GPUs)
-    # vllm: the engine's layout (hybridtron.dist.vllm_layout; `hybridtron plan --rollout` proposes one), an engine of
-    # tensor x data parallel GPUs
+    # vllm: the engine's layout (hybridtron.distributed.vllm_layout; `hybridtron plan --rollout` proposes one), an
+    # engine of tensor x data parallel GPUs
     vllm_tensor_parallel: int = 1  # GPUs attention, Mamba and MLP split over (divides the heads and n_groups)
     vllm_data_parallel: int = 1  # data-parallel ranks, each with its own requests (DP attention)
     vllm_expert_parallel: bool = False  # true: whole routed experts on each GPU, spread over all of them (EP)

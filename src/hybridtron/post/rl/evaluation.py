@@ -4,7 +4,7 @@ turn loop). `PolicySnapshot` gives the decoder one unsharded copy of the policy,
 
 from __future__ import annotations
 
-from hybridtron.dist.step import full_state_dict
+from hybridtron.distributed.step import full_state_dict
 from hybridtron.eval.tasks import evaluate_env
 from hybridtron.infer.engine import HybridEngine
 from hybridtron.infer.sampling import SamplingParams

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.pipeline import MicroBatchInputs
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.pipeline import MicroBatchInputs
 from hybridtron.infer.sampling import probs_from_logits
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.ops.linear_cross_entropy import linear_cross_entropy

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from hybridtron.dist.step import global_grad_norms
+from hybridtron.distributed.step import global_grad_norms
 from hybridtron.numerics.linear import QuantizedGroupedMM, QuantLinear
 from hybridtron.train.stats import StepStats, parameter_group
 

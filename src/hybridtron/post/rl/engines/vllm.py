@@ -59,7 +59,7 @@ import torch
 from hybridtron.checkpoint.hf import quantization_algo, to_disk_state, write_checkpoint
 from hybridtron.config import MOE
 from hybridtron.data.tokenizer import EOS, IM_END
-from hybridtron.dist.vllm_layout import check_engine_layout
+from hybridtron.distributed.vllm_layout import check_engine_layout
 from hybridtron.infer.scheduler import Completion
 from hybridtron.post.rl.engines.base import RolloutEngine
 from hybridtron.post.rl.roles import RoleStopped
@@ -276,9 +276,9 @@ class VLLMRollouts(RolloutEngine):
         """vLLM's NCCL weight-transfer engine (v1/worker/gpu_worker.py `init_weight_transfer_engine`,
         `start_weight_update` / `update_weights` / `finish_weight_update`; distributed/weight_transfer/nccl_engine.py
         and nccl_common.py): this process is rank 0 of an NCCL group with the engine's vLLM workers (ranks 1..,
-        one a GPU) and broadcasts every tensor, unpacked and in order, while the workers receive and load them. The rendezvous
-        helper is vLLM's, so vllm must be importable here too (on GPUs one environment holds both). Unverified:
-        written from vLLM's code for GPUs, never run here (no GPU)."""
+        one a GPU) and broadcasts every tensor, unpacked and in order, while the workers receive and load them. The
+        rendezvous helper is vLLM's, so vllm must be importable here too (on GPUs one environment holds both).
+        Unverified: written from vLLM's code for GPUs, never run here (no GPU)."""
         import socket
 
         from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 import layout_worker
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.costs import GiB, cluster_for
-from hybridtron.dist.layout import Layout, Workload
-from hybridtron.dist.mesh import check_run_layout
-from hybridtron.dist.plan import estimate, format_estimate
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.costs import GiB, cluster_for
+from hybridtron.distributed.layout import Layout, Workload
+from hybridtron.distributed.mesh import check_run_layout
+from hybridtron.distributed.plan import estimate, format_estimate
 from hybridtron.train.preflight import training_memory
 from test_parallel_layouts import assert_same_run
 

@@ -1,4 +1,4 @@
-"""The layout of a vLLM engine (hybridtron.dist.vllm_layout): what the model allows, miles' layout for Ultra, the RL
+"""The layout of a vLLM engine (hybridtron.distributed.vllm_layout): what the model allows, miles' layout for Ultra, the RL
 section's fields, and `hybridtron plan --rollout`."""
 
 import json
@@ -7,8 +7,8 @@ import pytest
 
 from hybridtron.cli import main
 from hybridtron.config import preset
-from hybridtron.dist.costs import cluster_for
-from hybridtron.dist.vllm_layout import EngineLayout, check_engine_layout, plan_engine
+from hybridtron.distributed.costs import cluster_for
+from hybridtron.distributed.vllm_layout import EngineLayout, check_engine_layout, plan_engine
 from hybridtron.post.grpo import GRPOConfig
 
 

@@ -8,14 +8,14 @@ import copy
 import pytest
 import torch
 
-from hybridtron.dist.context_parallel import shard_sequence
-from hybridtron.dist.expert_parallel import expert_major_order
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.parallelize import parallelize
-from hybridtron.dist.ring_attention import own_chunks
-from hybridtron.dist.state import canonical_name
-from hybridtron.dist.step import global_grad_norms
-from hybridtron.dist.tensor_parallel import Packing
+from hybridtron.distributed.context_parallel import shard_sequence
+from hybridtron.distributed.expert_parallel import expert_major_order
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.parallelize import parallelize
+from hybridtron.distributed.ring_attention import own_chunks
+from hybridtron.distributed.state import canonical_name
+from hybridtron.distributed.step import global_grad_norms
+from hybridtron.distributed.tensor_parallel import Packing
 from hybridtron.model.lm import PAST_END, HybridLM
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.train.stats import group_norms, parameter_group

@@ -53,12 +53,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hybridtron.config import MOE
-from hybridtron.dist.context_parallel import apply_context_parallel
-from hybridtron.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel
-from hybridtron.dist.materialize import is_meta, materialize
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.pipeline import Pipeline, StageView, cut_for_rank
-from hybridtron.dist.tensor_parallel import apply_tensor_parallel
+from hybridtron.distributed.context_parallel import apply_context_parallel
+from hybridtron.distributed.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from hybridtron.distributed.materialize import is_meta, materialize
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.pipeline import Pipeline, StageView, cut_for_rank
+from hybridtron.distributed.tensor_parallel import apply_tensor_parallel
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -88,7 +88,7 @@ torch.utils.checkpoint.SAC_IGNORED_OPS |= {torch.ops.profiler._record_function_e
 # outputs of the embedding and lm_head (`DTensor.to_local`, which the root returns with the logits) and the
 # embeddings a pipeline stage passes on (`pipeline.StageView`: a stage's outputs must not be its inputs). The model
 # computes out of place, and a skipped all-gather would break the equality of every layout's losses and gradients
-# with one process's (tests/dist/test_parallel_layouts.py). Avoiding the views would copy the logits. Upstream
+# with one process's (tests/distributed/test_parallel_layouts.py). Avoiding the views would copy the logits. Upstream
 # replaces the warning by one at an actual mutation (pytorch/pytorch#197154); until then it is silenced for these
 # modules only.
 warnings.filterwarnings(

@@ -1,6 +1,6 @@
 """Train under layouts with and without `dist.offload_optimizer`, then measure where each rank's training state is.
 
-    torchrun --nproc-per-node N tests/dist/offload_worker.py OUT.json LAYOUT [LAYOUT ...]
+    torchrun --nproc-per-node N tests/distributed/offload_worker.py OUT.json LAYOUT [LAYOUT ...]
 
 LAYOUT as in layout_worker.py (`offload_optimizer=1` turns the offload on). Each layout trains as
 `layout_worker.train` does; then one more forward and backward leaves a step's gradients in place and every rank
@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 import layout_worker
-from hybridtron.dist.mesh import init_parallel
+from hybridtron.distributed.mesh import init_parallel
 
 STATE = ("master", "grads", "moments", "steps")
 

@@ -11,8 +11,8 @@ import torch
 
 import layout_worker
 from hybridtron.data.batch import TokenBatch
-from hybridtron.dist.context_parallel import chunk_rows, shard_sequence
-from hybridtron.dist.step import share_of_batch
+from hybridtron.distributed.context_parallel import chunk_rows, shard_sequence
+from hybridtron.distributed.step import share_of_batch
 from test_parallel_layouts import assert_same_run, run_layouts
 
 STEPS = 3

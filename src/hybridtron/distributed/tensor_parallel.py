@@ -23,7 +23,7 @@ DCP see sharded tensors), swapped for their local shards for the duration of a f
 runs eagerly), with the mixer's head counts set to the local ones. That keeps the model code free of parallelism and lets the precision policy's
 emulated GEMMs (QuantLinear) run unchanged on each shard. A packed parameter (Mamba's in_proj and conv1d) is
 stored rank-major: rank r's shard is [z_r | x_r | B_r | C_r | dt_r]; `Packing` maps its rows back to the
-single-process layout for checkpoints and exports (`hybridtron.dist.state`).
+single-process layout for checkpoints and exports (`hybridtron.distributed.state`).
 
 Not supported under TP: routing replay (`expert_ids`), biases on row-parallel layers, tp > kv heads.
 """
@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
 from hybridtron.config import ATTENTION, MAMBA, MLP as MLP_KIND, MOE
-from hybridtron.dist.mesh import Parallel
+from hybridtron.distributed.mesh import Parallel
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hybridtron.cli import main as cli_main
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.mesh import check_run_layout, init_parallel
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.mesh import check_run_layout, init_parallel
 
 
 def check(config, model, world, batch_size=4, grad_accum=2, seq_len=32):
@@ -65,8 +65,8 @@ def test_context_parallel_layouts_fail_with_their_reason(small_config, config, w
 
 
 def test_the_reason_is_the_planners(small_config):
-    from hybridtron.dist.costs import cluster_for
-    from hybridtron.dist.layout import Layout, Workload, check_layout
+    from hybridtron.distributed.costs import cluster_for
+    from hybridtron.distributed.layout import Layout, Workload, check_layout
 
     planner = check_layout(small_config(), cluster_for("h100", 8), Workload(seq_len=32, tokens_per_iter=256),
                            Layout(tp=8))

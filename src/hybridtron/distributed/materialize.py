@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.state import canonical_name, packings
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.state import canonical_name, packings
 from hybridtron.model.lm import HybridLM
 
 

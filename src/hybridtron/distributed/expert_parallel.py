@@ -43,7 +43,7 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from hybridtron.dist.collectives import gather_shares, sum_shares
+from hybridtron.distributed.collectives import gather_shares, sum_shares
 from hybridtron.model.mlp import relu2
 from hybridtron.model.moe import MoE, RoutedExperts
 

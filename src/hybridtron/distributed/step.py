@@ -25,9 +25,9 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hybridtron.data.batch import TokenBatch, as_token_batch
-from hybridtron.dist.context_parallel import chunk_rows, shard_sequence
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.state import canonical_full_state, canonical_name
+from hybridtron.distributed.context_parallel import chunk_rows, shard_sequence
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.state import canonical_full_state, canonical_name
 
 
 def share_of_batch(batch: TokenBatch, rank: int, size: int, lookahead: int) -> TokenBatch:

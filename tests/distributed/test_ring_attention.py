@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from gloo import differences
 
-from hybridtron.dist.context_parallel import chunk_rows
-from hybridtron.dist.ring_attention import (block_attention, block_attention_backward, block_attention_backward_ref,
+from hybridtron.distributed.context_parallel import chunk_rows
+from hybridtron.distributed.ring_attention import (block_attention, block_attention_backward, block_attention_backward_ref,
                                             block_attention_ref, ring_attention)
 
 WORLD = 4

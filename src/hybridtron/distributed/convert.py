@@ -4,7 +4,7 @@
     hybridtron convert --from runs/x/hf --to ckpt/dcp                                  # HF -> DCP (the weights)
 
 DCP -> HF reads the model tensors of a checkpoint written by any world size and layout (DCP stores them in the
-single-process layout, `hybridtron.dist.state`) into one process and writes config.json and safetensors; the
+single-process layout, `hybridtron.distributed.state`) into one process and writes config.json and safetensors; the
 model config comes from `--config`, else the config.json beside the checkpoint (what HF -> DCP writes), else the
 run's run_config.json (two levels up from the step directory). The tokenizer files come from beside the
 checkpoint, else the run's HF export, or, for a post-training run still in progress, from the model it began with

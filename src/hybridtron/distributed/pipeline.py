@@ -39,9 +39,9 @@ from torch.distributed.pipelining import (
 )
 
 from hybridtron.config import ModelConfig
-from hybridtron.dist.costs import cluster_for
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.plan import Workload, pipeline_stages
+from hybridtron.distributed.costs import cluster_for
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.plan import Workload, pipeline_stages
 from hybridtron.model.lm import counted_at_depth, cross_entropy, embed_ahead
 from hybridtron.ops.cross_entropy import cross_entropy_sum_and_count
 

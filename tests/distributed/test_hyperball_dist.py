@@ -21,10 +21,10 @@ from gloo import differences
 from layout_worker import BATCH, GRAD_ACCUM, SEED, SEQ, SyntheticBatches, model_config
 
 from hybridtron.checkpoint.dcp import CheckpointManager
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.mesh import Parallel, init_parallel
-from hybridtron.dist.parallelize import parallelize
-from hybridtron.dist.step import DataParallelBatches, full_state_dict
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.mesh import Parallel, init_parallel
+from hybridtron.distributed.parallelize import parallelize
+from hybridtron.distributed.step import DataParallelBatches, full_state_dict
 from hybridtron.model.lm import HybridLM
 from hybridtron.train.config import TrainConfig
 from hybridtron.train.loop import Trainer

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gloo import differences
 
 from hybridtron.config import ModelConfig, parse_pattern
-from hybridtron.dist.context_parallel import (ContextParallelAttention, apply_context_parallel, chunk_rows,
+from hybridtron.distributed.context_parallel import (ContextParallelAttention, apply_context_parallel, chunk_rows,
                                               shard_sequence)
 from hybridtron.model.lm import HybridLM
 

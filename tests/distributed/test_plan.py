@@ -8,12 +8,12 @@ import pytest
 
 from hybridtron.cli import build_parser, main
 from hybridtron.config import ATTENTION, ULTRA3_PATTERN, nano3, parse_pattern, super3, tiny, ultra3
-from hybridtron.dist.costs import (
+from hybridtron.distributed.costs import (
     GiB, checkpoint_bytes, cluster_for, group_placement, mean_keys_per_query, model_units, parameter_count,
 )
-from hybridtron.dist.layout import Layout, Rejected, Workload, check_layout, tensor_parallel_reason
-from hybridtron.dist.plan import Estimate, estimate, pipeline_stages, plan
-from hybridtron.dist.serving import serve_plan
+from hybridtron.distributed.layout import Layout, Rejected, Workload, check_layout, tensor_parallel_reason
+from hybridtron.distributed.plan import Estimate, estimate, pipeline_stages, plan
+from hybridtron.distributed.serving import serve_plan
 from hybridtron.model.lm import HybridLM
 
 REPORT_LAYOUT = "tp=8,pp=2,cp=32,ep=128"

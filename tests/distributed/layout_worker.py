@@ -1,6 +1,6 @@
 """Train a small hybrid model for a few steps under parallel layouts, on every rank of one torchrun job.
 
-    torchrun --nproc-per-node N tests/dist/layout_worker.py OUT.json LAYOUT [LAYOUT ...]
+    torchrun --nproc-per-node N tests/distributed/layout_worker.py OUT.json LAYOUT [LAYOUT ...]
 
 LAYOUT is `dp_shard=2,ep=2`-style ([dist] fields; unnamed ones default, dp_shard takes the rest; also
 `recompute=full|selective` and `compile=BACKEND` for the blocks, `precision=nvfp4|mxfp8` for the emulated GEMMs,
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from hybridtron.data.batch import TokenBatch
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.mesh import Parallel, init_parallel
-from hybridtron.dist.parallelize import parallelize
-from hybridtron.dist.step import DataParallelBatches
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.mesh import Parallel, init_parallel
+from hybridtron.distributed.parallelize import parallelize
+from hybridtron.distributed.step import DataParallelBatches
 from hybridtron.model.lm import HybridLM
 from hybridtron.numerics.policy import convert_for_training
 from hybridtron.ops.cross_entropy import IGNORE_INDEX

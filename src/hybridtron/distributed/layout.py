@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from hybridtron.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
-from hybridtron.dist.costs import RECOMPUTE_MODES, Cluster
+from hybridtron.distributed.costs import RECOMPUTE_MODES, Cluster
 from hybridtron.numerics.policy import POLICIES, RECIPES
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")

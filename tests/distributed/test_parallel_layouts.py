@@ -7,7 +7,7 @@ activation checkpointing and compile composed in, on gloo (DP, TP, EP, PP and DP
 losses and gradient norms equal to 1e-5 (fp32), token and expert counts equal. NVFP4 emulation composes too: under
 TP each rank quantizes its own weight shard (with its own amax), so the losses are close to one process's, not
 equal. lm_head's gradient is reduced in fp32 unless train.grad_accum_dtype=bf16 asks for the report's divergence-1
-fault. One torchrun job per world size runs all of its layouts (tests/dist/layout_worker.py); the reference is
+fault. One torchrun job per world size runs all of its layouts (tests/distributed/layout_worker.py); the reference is
 computed here, in this process.
 `torchrun -m hybridtron pretrain` (PP x TP on 4 processes) and checkpoints across world sizes:
 test_dist_checkpoints.py."""

@@ -46,8 +46,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridtron.dist.collectives import gather_shares
-from hybridtron.dist.ring_attention import own_chunks, ring_attention
+from hybridtron.distributed.collectives import gather_shares
+from hybridtron.distributed.ring_attention import own_chunks, ring_attention
 from hybridtron.model.attention import Attention, causal_suffix_attention
 from hybridtron.model.documents import document_spans
 from hybridtron.model.lm import PAST_END

@@ -40,13 +40,13 @@ from dataclasses import dataclass
 
 from hybridtron.checkpoint.hf import read_model_config
 from hybridtron.config import ATTENTION, MAMBA, MOE, PRESETS, ModelConfig, preset
-from hybridtron.dist.costs import (
+from hybridtron.distributed.costs import (
     GPUS, GiB, RECOMPUTE_MODES, SERVING_CHECKPOINTS, Cluster, Unit, activation_bytes, cluster_for,
     group_placement, model_units, ring_seconds,
 )
-from hybridtron.dist.layout import Layout, Rejected, Workload, candidate_layouts, check_layout
-from hybridtron.dist.serving import format_serve, serve_plan
-from hybridtron.dist.vllm_layout import DEFAULT_GPU_MEMORY_UTILIZATION, format_engine, plan_engine
+from hybridtron.distributed.layout import Layout, Rejected, Workload, candidate_layouts, check_layout
+from hybridtron.distributed.serving import format_serve, serve_plan
+from hybridtron.distributed.vllm_layout import DEFAULT_GPU_MEMORY_UTILIZATION, format_engine, plan_engine
 from hybridtron.numerics.policy import POLICIES, RECIPES
 
 
@@ -536,7 +536,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "bf16 with --rollout, the weights the learner pushes)")
     parser.add_argument("--rollout", action="store_true",
                         help="lay out one vLLM engine of --gpus GPUs for rollouts or serving: the `vllm serve` flags "
-                             "and the [grpo] / [mopd] settings (hybridtron.dist.vllm_layout; --checkpoint: its "
+                             "and the [grpo] / [mopd] settings (hybridtron.distributed.vllm_layout; --checkpoint: its "
                              "weights, here bf16 unless given) (default: off)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
                         help=f"with --rollout: the share of each GPU's memory vLLM takes (default: "

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridtron.dist.mesh import Parallel
-from hybridtron.dist.step import clip_grads_, full_state_dict
+from hybridtron.distributed.mesh import Parallel
+from hybridtron.distributed.step import clip_grads_, full_state_dict
 from hybridtron.model.lm import HybridLM
 
 

@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 
 from hybridtron.config import ATTENTION, MOE, ModelConfig
-from hybridtron.dist.costs import GiB, SERVING_CHECKPOINTS, Cluster, checkpoint_bytes, model_units
-from hybridtron.dist.layout import divisors, tensor_parallel_reason
+from hybridtron.distributed.costs import GiB, SERVING_CHECKPOINTS, Cluster, checkpoint_bytes, model_units
+from hybridtron.distributed.layout import divisors, tensor_parallel_reason
 from hybridtron.model.memory import kv_cache_bytes, mamba_state_bytes
 
 

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 
 from hybridtron.config import MLP, MOE, ModelConfig
-from hybridtron.dist.costs import GiB, Cluster, checkpoint_bytes
+from hybridtron.distributed.costs import GiB, Cluster, checkpoint_bytes
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default share of each GPU's memory an engine may take
 

@@ -3,7 +3,7 @@
     world = dp_replicate x dp_shard x cp x tp x pp          (dp_shard = -1: whatever the other degrees leave)
     EP borrows ranks from dp_shard x cp x tp; the experts are FSDP-sharded over the rest (efsdp)
 
-The degrees are the planner's (`hybridtron.dist.layout.Layout`): `hybridtron plan --layout ...` explains a layout
+The degrees are the planner's (`hybridtron.distributed.layout.Layout`): `hybridtron plan --layout ...` explains a layout
 before any process starts, and a run checks its layout with the planner's rules before it builds a process group.
 This module is plain data (no torch import), so the run configuration can hold it.
 """
@@ -34,7 +34,7 @@ class DistConfig:
     offload_optimizer: bool = False  # FSDP2's CPU offload: each rank's fp32 weight shards, gradients and AdamW state
     #  in host memory, the optimizer step on the CPU (torchrun only; on a CPU device a no-op in memory)
 
-    RESUMABLE: ClassVar = "all"  # a checkpoint resumes under any layout and world size (hybridtron.dist.state)
+    RESUMABLE: ClassVar = "all"  # a checkpoint resumes under any layout and world size (hybridtron.distributed.state)
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "cp", "ep", "etp"):

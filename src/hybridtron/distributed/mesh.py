@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hybridtron.config import ModelConfig
-from hybridtron.dist.config import DistConfig
-from hybridtron.dist.costs import cluster_for
-from hybridtron.dist.layout import Layout, Workload, check_layout
+from hybridtron.distributed.config import DistConfig
+from hybridtron.distributed.costs import cluster_for
+from hybridtron.distributed.layout import Layout, Workload, check_layout
 
 DENSE_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "etp")
