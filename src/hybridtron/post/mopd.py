@@ -76,7 +76,7 @@ from hybridtron.post.mixture import MixtureEnv, MixtureRolloutRole, domain_quota
 from hybridtron.post.mopd_warmup import WARMUP_DATA, warmup_conversations, write_once
 from hybridtron.post.rl.command import RolloutRunCommand
 from hybridtron.post.rl.config import RESUMABLE_ROLLOUT_FIELDS, RolloutConfig
-from hybridtron.post.rl.engines import ENGINES
+from hybridtron.post.rl.engines.base import ENGINES
 from hybridtron.post.rl.engines.vllm import check_vllm_teacher
 from hybridtron.post.rl.evaluation import DomainAccuracy
 from hybridtron.post.rl.objective import RolloutObjective

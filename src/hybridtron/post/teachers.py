@@ -34,6 +34,7 @@ from hybridtron.data.chat import load_chat_tokenizer
 from hybridtron.eval.tasks import evaluate_env
 from hybridtron.post.rl.batches import rollout_rows
 from hybridtron.post.rl.config import LOGPROB_CHUNK
+from hybridtron.post.rl.engines.vllm import VLLMTeacher
 from hybridtron.post.rl.objective import head_forward, token_scores
 from hybridtron.post.rl.rollout import Rollout, ScoringRole, completion_scores
 
@@ -155,8 +156,6 @@ class TeacherScoringRole(ScoringRole):
         self.panel = TeacherPanel(dict(teachers), general)
         self.temperature, self.top_k, self.logprob_chunk = temperature, top_k, logprob_chunk
         if engine == "vllm":  # each teacher a vLLM process (hybridtron.post.rl.engines.vllm.VLLMTeacher)
-            from hybridtron.post.rl.engines.vllm import VLLMTeacher
-
             self.models = {directory: VLLMTeacher(directory, section=section, top_k=top_k)
                            for directory in self.panel.directories()}
         else:

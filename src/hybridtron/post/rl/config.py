@@ -14,7 +14,7 @@ from typing import ClassVar
 from hybridtron.data.chat import THINKING_SWITCH
 from hybridtron.distributed.vllm_layout import EngineLayout
 from hybridtron.infer.sampling import SamplingParams
-from hybridtron.post.rl.engines import ENGINES, WEIGHT_SYNCS
+from hybridtron.post.rl.engines.base import ENGINES, WEIGHT_SYNCS
 from hybridtron.post.rl.roles import BACKENDS, check_replicas
 
 # Rows of lm_head + log-softmax per block in the RL log-prob passes (`logprob_chunk`, ops/linear_logprobs.py): miles'

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 # the engines' names (which the RL sections' settings are checked against) and interface, re-exported
 from hybridtron.post.rl.engines.base import ENGINES, WEIGHT_SYNCS, RolloutEngine  # noqa: F401
+from hybridtron.post.rl.engines.hybridtron import HybridtronRollouts
+from hybridtron.post.rl.engines.vllm import VLLMRollouts
 
 
 def rollout_engine(config, *, model_dir: str, model_config, tokenizer) -> RolloutEngine:
     """The engine `config.engine` names (`config`: an RL section, hybridtron.post.rl.config.RolloutConfig) for the
     policy of `model_config`, whose tokenizer and chat template are `model_dir`'s."""
     if config.engine == "vllm":
-        from hybridtron.post.rl.engines.vllm import VLLMRollouts
-
         return VLLMRollouts(config, model_dir=model_dir, model_config=model_config, tokenizer=tokenizer)
-    from hybridtron.post.rl.engines.hybridtron import HybridtronRollouts
-
     return HybridtronRollouts(config, model_config=model_config, tokenizer=tokenizer)

@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from hybridtron.checkpoint.hf import quantization_algo, to_disk_state, write_checkpoint
-from hybridtron.config import MOE
+from hybridtron.config import MOE, ModelConfig
 from hybridtron.data.tokenizer import EOS, IM_END
 from hybridtron.distributed.vllm_layout import check_engine_layout
 from hybridtron.infer.scheduler import Completion
@@ -380,8 +380,6 @@ class VLLMTeacher:
     (`check_vllm_teacher`)."""
 
     def __init__(self, directory: str, *, section: str, top_k: int):
-        from hybridtron.config import ModelConfig
-
         self.config, self.top_k = ModelConfig.from_hf(directory), top_k
         self.workdir = Path(tempfile.mkdtemp(prefix="hybridtron-vllm-teacher-"))
         gpu = on_gpu()
