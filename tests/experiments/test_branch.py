@@ -127,7 +127,7 @@ def test_branch_a_tiny_nvfp4_run(nvfp4_run, branched, capsys, monkeypatch):
     assert (out / "branch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for arm in ("bf16", "nvfp4_ultra", "nvfp4_all"):  # each arm a run of its own, its latest checkpoint kept
         assert [p.name for p in (out / "arms" / arm / "checkpoints").iterdir()] == ["step_000004"]
-    assert json.loads((out / "run_config.json").read_text())["branch"] == {"tokens": 100,
+    assert json.loads((out / "run_config.json").read_text())["branch"] == {"tokens": 100, "steps": 0,
                                                                           "arms": ["as-trained", "nvfp4:all"]}
 
     # The same command again: complete, nothing trains, the table again.
@@ -140,7 +140,10 @@ def test_branch_a_tiny_nvfp4_run(nvfp4_run, branched, capsys, monkeypatch):
     assert "warning: the standard error needs at least 8 blocks" in captured.out
 
     assert cli_main(["branch", "--from", str(run / "checkpoints" / "step_000002"), "--out", str(out)]) == 2
-    assert "branch.tokens must be positive (--tokens N" in capsys.readouterr().err
+    assert "the window each arm trains must be positive: --tokens N or --steps N" in capsys.readouterr().err
+    assert cli_main(["branch", "--from", str(run / "checkpoints" / "step_000002"), "--out", str(out), "--tokens",
+                     "64", "--steps", "2"]) == 2
+    assert "branch.tokens=64 and branch.steps=2 both give the window" in capsys.readouterr().err
     assert cli_main(["branch", "--from", str(run / "checkpoints" / "step_000002"), "--tokens", "64",
                      "--out", str(run)]) == 2  # a pretraining run's directory is never written over
     assert "holds another command's run" in capsys.readouterr().err
@@ -195,7 +198,7 @@ def test_print_config_round_trips_and_the_forked_sections_are_fixed(nvfp4_run, t
     assert capsys.readouterr().out == printed
 
     assert cli_main(["branch", "--from", checkpoint, "--steps", "3", "--print-config"]) == 0
-    assert "tokens = 192" in capsys.readouterr().out  # 3 steps of 64 tokens
+    assert "steps = 3  # steps each arm trains" in capsys.readouterr().out
     assert cli_main(["branch", "--from", checkpoint, "--tokens", "64", "--set", "train.lr=1e-4"]) == 2
     assert "[train] is the forked run's" in capsys.readouterr().err
     assert cli_main(["branch", "--from", checkpoint, "--tokens", "64", "--arm", "as-trained",

@@ -42,7 +42,6 @@ trained and continues that one from its checkpoint, to the same numbers as an un
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -63,7 +62,7 @@ from hybridtron.files import METRICS_FILE, RUN_CONFIG, atomic_write_json
 from hybridtron.model.lm import HybridLM
 from hybridtron.numerics.grad_accum import apply_output_grad_accumulation
 from hybridtron.numerics.policy import POLICIES, RECIPES, apply_precision
-from hybridtron.train.config import RunConfig, SectionedConfig, TrainConfig, parse_override, section_values
+from hybridtron.train.config import RunConfig, SectionedConfig, TrainConfig, section_values
 from hybridtron.train.hooks import Hook, MetricsLogger
 from hybridtron.train.loop import Trainer
 from hybridtron.train.objectives import LoaderBatches, PretrainObjective
@@ -151,7 +150,8 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, Path]:
 # ------------------------------------------------------------------------------------------ configuration
 @dataclass(frozen=True, kw_only=True)
 class BranchConfig:
-    tokens: int = 0  # tokens each arm trains from the checkpoint, rounded up to whole steps (required: --tokens N)
+    tokens: int = 0  # tokens each arm trains from the checkpoint, rounded up to whole steps (--tokens N; or steps)
+    steps: int = 0  # steps each arm trains instead (--steps N; 0: the tokens give them)
     arms: tuple[str, ...] = (AS_TRAINED,)  # compared with the bf16 reference (--arm): as-trained or
     #   RECIPE[:POLICY][:no-sr][:no-rht][:no-2d], e.g. nvfp4:all, nvfp4:ultra:no-sr, mxfp8
 
@@ -199,8 +199,14 @@ class BranchRunConfig(SectionedConfig):
 
     @property
     def steps(self) -> int:
-        """The steps each arm trains: branch.tokens rounded up to whole steps."""
-        return math.ceil(self.branch.tokens / self.tokens_per_step)
+        """The steps each arm trains: branch.steps, or branch.tokens rounded up to whole steps."""
+        return self.branch.steps or math.ceil(self.branch.tokens / self.tokens_per_step)
+
+    def fixed_section(self, name):
+        if name in FORKED_SECTIONS:
+            return (f"[{name}] is the forked run's (its {RUN_CONFIG}), which every arm continues as it was trained; "
+                    f"a branch sets [branch] (the arms' formats: --arm)")
+        return super().fixed_section(name)
 
     def arms(self) -> list[Arm]:
         """The reference, then each arm of branch.arms; a ValueError for a spec that does not parse or a repeat."""
@@ -439,9 +445,9 @@ def format_report(report: dict, out: Path) -> str:
 
 # ------------------------------------------------------------------------------------------------ the command
 class Branch(RunCommand):
-    """The scaffold's options, configuration and resume checks; `run` drives the arms itself (`run_branch`), since
-    the scaffold's `train_in` trains one trainer to its schedule's end and calls a run complete by its HF export,
-    while each arm is a run of its own that ends inside the forked run's schedule and exports nothing."""
+    """The scaffold's options, configuration and resume checks; its run trains the arms (`train_run`: `run_branch`),
+    since the scaffold's `train_in` trains one trainer to its schedule's end and calls a run complete by its HF
+    export, while each arm is a run of its own that ends inside the forked run's schedule and exports nothing."""
 
     name = "branch"
     config_class = BranchRunConfig
@@ -450,13 +456,13 @@ class Branch(RunCommand):
     quiet_help = "no progress lines (default: one line per arm)"
     out_help = ("the branch directory; created, and holds each arm's run, branch.json and branch.png (default: "
                 "<run>/branches/<step_N>_<tokens>)")
-    steps_help = ("steps to train each arm for, instead of --tokens (the same as --tokens N times the forked run's "
-                  "tokens a step; default: none, --tokens)")
+    steps_help = "steps to train each arm for, instead of --tokens (the same as --set branch.steps=N)"
+    steps_setting = "branch.steps"
 
     def add_command_arguments(self, parser):
         parser.add_argument("--tokens", type=int,
                             help="tokens to train each arm for, rounded up to whole steps (the same as --set "
-                                 "branch.tokens=N; required unless --config or --resume gives it)")
+                                 "branch.tokens=N; required unless --steps, --config or --resume gives the window)")
         parser.add_argument("--arm", dest="arms", action="append", metavar="SPEC",
                             help="a branch to compare with the bf16 reference (repeatable; default as-trained; the "
                                  "same as --set branch.arms=SPEC,...): as-trained or "
@@ -468,48 +474,30 @@ class Branch(RunCommand):
     def default_config(self, args, inputs):
         return BranchRunConfig.forking(inputs["checkpoint"])
 
-    def resolve(self, args):
-        """The scaffold's resolution, with --tokens and --arm as [branch] overrides, --steps as tokens, and the
-        forked run's sections refused by name."""
-        for text in args.overrides:
-            section = parse_override(text)[0]
-            if section in FORKED_SECTIONS:
-                raise ValueError(f"--set {text!r}: [{section}] is the forked run's (its {RUN_CONFIG}), which every arm "
-                                 f"continues as it was trained; a branch sets [branch] (the arms' formats: --arm)")
-        if args.tokens is not None and args.steps is not None:
-            raise ValueError("--tokens and --steps both give the window each arm trains; give one")
-        overrides = list(args.overrides)
-        if args.tokens is not None:
-            overrides.append(f"branch.tokens={args.tokens}")
-        if args.arms:
-            overrides.append(f"branch.arms={','.join(args.arms)}")
-        config, saved = self.resolve_overrides(args, overrides)
-        if args.steps is not None:  # N steps' tokens: the forked run's batch shape, known once resolved, gives them
-            tokens = args.steps * config.tokens_per_step
-            config, saved = self.resolve_overrides(args, [*overrides, f"branch.tokens={tokens}"])
-        return config, saved
+    def flag_overrides(self, args):
+        return ([f"branch.tokens={args.tokens}"] if args.tokens is not None else []) + (
+            [f"branch.arms={','.join(args.arms)}"] if args.arms else [])
 
-    def resolve_overrides(self, args, overrides: list[str]):
-        config, saved = super().resolve(argparse.Namespace(**{**vars(args), "overrides": overrides, "steps": None}))
-        if saved is None:  # a new branch: the forked sections are --from's run's (also under another's --config)
-            config = BranchRunConfig.forking(config.checkpoint, config.branch)
-        return config, saved
+    def rebase(self, config):
+        """Another branch's configuration as --config: its [branch] on --from's run (that run's sections)."""
+        return BranchRunConfig.forking(config.checkpoint, config.branch)
+
+    def default_out(self, config):
+        return config.default_out()
 
     def check(self, config):
         refuse_torchrun(self.name)  # the arms train one after the other in one process
-        if config.branch.tokens <= 0:
-            raise ValueError(f"branch.tokens must be positive (--tokens N: the tokens each arm trains), got "
-                             f"{config.branch.tokens}")
+        branch = config.branch
+        if branch.tokens > 0 and branch.steps > 0:
+            raise ValueError(f"branch.tokens={branch.tokens} and branch.steps={branch.steps} both give the window each "
+                             f"arm trains; give one (--tokens N or --steps N)")
+        if branch.tokens <= 0 and branch.steps <= 0:
+            raise ValueError(f"the window each arm trains must be positive: --tokens N or --steps N (branch.tokens="
+                             f"{branch.tokens}, branch.steps={branch.steps})")
         config.arms()  # every spec parses, none repeats
 
-    def run(self, args) -> int:
-        config, _ = self.resolve(args)
-        if args.print_config:
-            print(config.to_toml(), end="")
-            return 0
-        self.check(config)
-        out = Path(args.out) if args.out else config.default_out()
-        report = run_branch(config, out, resume=args.resume, quiet=args.quiet)
+    def train_run(self, config, out, *, resume, quiet, saved=None):
+        report = run_branch(config, out, resume=resume, quiet=quiet)
         print(format_report(report, out))
         return 0
 

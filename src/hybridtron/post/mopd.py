@@ -62,7 +62,6 @@ A run that finished says so and changes nothing; one that was killed (in the war
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar
@@ -88,8 +87,7 @@ from hybridtron.post.teachers import (TEACHER_SCORE, TEACHER_TOPK_IDS, TEACHER_T
                                       TeacherScoringRole)
 from hybridtron.train.config import SectionedConfig, TrainConfig
 from hybridtron.train.monitor.config import MonitorConfig
-from hybridtron.train.run import (Input, complete_steps, export_model, has_checkpoints, is_main_process,
-                                  restarted_by_torchrun, unfinished_run)
+from hybridtron.train.run import Input, Phase
 
 # [train] defaults of MOPD, GRPO's (a small constant LR after a short warmup, 4 micro-batches a step)
 MOPD_TRAIN = dict(steps=100, lr=1e-4, warmup_steps=5, decay_fraction=0.0, grad_accum=4, checkpoint_every=20)
@@ -324,10 +322,12 @@ def warmup_run_config(config: MOPDRunConfig, data_file: Path) -> SFTRunConfig:
                         train=sft_train, monitor=config.monitor, dist=config.dist)
 
 
-def run_warmup(config: MOPDRunConfig, out: Path, *, quiet: bool) -> Path:
-    """Phase 0 (see the module docstring): the warmup SFT in `out/warmup`, resumed or skipped when complete.
-    Returns the warmed-up student's HF directory."""
+def warmup_phase_config(config: MOPDRunConfig, out: Path) -> SFTRunConfig | None:
+    """Phase 0 (see the module docstring) as the run scaffold's `Phase`: the warmup SFT's configuration, its data
+    (the teachers' answers) written once into `out` first; None without a warmup (`mopd.warmup_steps` 0)."""
     mopd = config.mopd
+    if mopd.warmup_steps <= 0:
+        return None
 
     def conversations() -> list[dict]:
         with mopd.mixture() as mixture:
@@ -338,16 +338,7 @@ def run_warmup(config: MOPDRunConfig, out: Path, *, quiet: bool) -> Path:
                                         enable_thinking=mopd.enable_thinking, batch_size=mopd.eval_batch_size,
                                         setting=f"mopd.warmup_data={mopd.warmup_data}")
 
-    directory = out / WARMUP_DIR
-    sft_config = warmup_run_config(config, write_once(out / WARMUP_FILE, conversations))
-    built = SFT_COMMAND.train_in(sft_config, directory, resume=has_checkpoints(directory / "checkpoints"),
-                                 quiet=quiet)
-    if built is not None:  # under torchrun: gathered, written by global rank 0, whole on every rank's return
-        if export_model(built.trainer, directory / "hf", built.tokenizer):
-            history = built.trainer.evaluators[0].history if built.trainer.evaluators else []
-            if history:
-                print(f"warmup: validation loss {history[0][1]:.3f} -> {history[-1][1]:.3f}", file=sys.stderr)
-    return directory / "hf"
+    return warmup_run_config(config, write_once(out / WARMUP_FILE, conversations))
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -357,6 +348,7 @@ class MOPD(RolloutRunCommand):
     section = "mopd"
     summary_what = "held-out pass@1 (mean over domains)"
     default_steps = MOPD_TRAIN["steps"]
+    phases = (Phase(WARMUP_DIR, SFT_COMMAND, warmup_phase_config),)  # the warmup SFT, in out/warmup
     set_example = "--set mopd.warmup_steps=0 --set mopd.async_rollouts=true"
     inputs = (Input("--student", "student", "the student: an HF checkpoint directory with its tokenizer files and "
                                             "chat template, or a run directory (its hf/ export; the RLVR "
@@ -387,25 +379,8 @@ class MOPD(RolloutRunCommand):
             TeacherPanel.parse(None, None)
         return MOPDRunConfig(model=ModelConfig.from_hf(inputs["student"]), **inputs)
 
-    def has_started(self, out):
-        return has_checkpoints(out / "checkpoints") or has_checkpoints(out / WARMUP_DIR / "checkpoints")
-
     def policy_dir(self, config, out):
         return out / WARMUP_DIR / "hf" if config.mopd.warmup_steps > 0 else Path(config.student)
-
-    def train_in(self, config, out, *, resume, quiet, saved=None):
-        """The warmup phase first (a run killed in it resumes there), then MOPD, which resumes only from its own
-        checkpoints."""
-        resume = resume or (restarted_by_torchrun() and self.has_started(out))
-        if config.mopd.warmup_steps > 0 and complete_steps(out) is None:
-            if self.has_started(out) and not resume:
-                raise unfinished_run(out, out / WARMUP_DIR / "checkpoints")
-            out.mkdir(parents=True, exist_ok=True)
-            if is_main_process():
-                config.save(out / "run_config.json")  # before the warmup: a run killed in it resumes from this file
-            run_warmup(config, out, quiet=quiet)
-            resume = resume and has_checkpoints(out / "checkpoints")
-        return super().train_in(config, out, resume=resume, quiet=quiet, saved=saved)
 
     def check_inputs(self, config):
         """The warmup's layout, the teachers' vocabulary and tokenizer (the student's), the environments' domains

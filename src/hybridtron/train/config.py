@@ -150,6 +150,14 @@ class SectionedConfig:
 
     MODEL_FROM: ClassVar[str | None] = None
 
+    def fixed_section(self, name: str) -> str | None:
+        """Why the section `name` cannot be set (a TOML file or --set): None where it can, or is not one."""
+        if name == "model" and self.MODEL_FROM is not None:
+            return (f"[model] cannot be set here: the model is fixed by {self.MODEL_FROM} "
+                    f"({getattr(self, self.MODEL_FROM)}/config.json); this run trains its weights, not another "
+                    f"architecture")
+        return None
+
     def sections(self) -> dict[str, Any]:
         """Section name -> its dataclass, in field order ([model] included when it is a section)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -385,30 +393,29 @@ def parse_override(text: str) -> tuple[str, str, str]:
 # ------------------------------------------------------------------------------------ changing a configuration
 def change_config(config: SectionedConfig, toml_path: str | Path | None = None, overrides: list[str] = ()):
     """`config` with a TOML file's sections, then `--set SECTION.FIELD=VALUE` overrides, applied; each changed
-    section rebuilt field by field and validated (`validate()`). [model] is a section only where the command says
-    so (`MODEL_FROM` None); elsewhere setting it is an error that says what fixes it."""
+    section rebuilt field by field and validated (`validate()`). Setting a section the configuration fixes
+    (`fixed_section`: [model] where a checkpoint gives it) is an error that says what fixes it."""
     sections = config.sections()
     names = ", ".join(f"[{name}]" for name in sections)
     changes: dict[str, dict[str, Any]] = {name: {} for name in sections}
 
-    def refuse_model(where: str) -> None:
-        raise ValueError(f"{where}: [model] cannot be set here: the model is fixed by {config.MODEL_FROM} "
-                         f"({getattr(config, config.MODEL_FROM)}/config.json); this run trains its weights, not "
-                         f"another architecture")
+    def refuse_fixed(where: str, section: str) -> None:
+        reason = config.fixed_section(section)
+        if reason is not None:
+            raise ValueError(f"{where}: {reason}")
 
     if toml_path is not None:
         for section, values in read_toml(toml_path).items():
-            if section == "model" and "model" not in sections:
-                if values:
-                    refuse_model(str(toml_path))
+            if values:
+                refuse_fixed(str(toml_path), section)
+            if section == "model" and "model" not in sections:  # an empty [model]: what to_toml writes for it
                 continue
             if section not in sections or not isinstance(values, dict):
                 raise ValueError(f"{toml_path}: unknown section [{section}]; expected {names}")
             changes[section].update(values)
     for text in overrides:
         section, name, value = parse_override(text)
-        if section == "model" and "model" not in sections:
-            refuse_model(f"--set {text!r}")
+        refuse_fixed(f"--set {text!r}", section)
         if section not in sections:
             raise ValueError(f"--set {text!r}: unknown section {section!r}; expected one of "
                              f"{', '.join(sections)}")

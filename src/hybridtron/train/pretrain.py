@@ -97,16 +97,17 @@ class Pretrain(RunCommand):
     def default_config(self, args, inputs):
         return RunConfig(model=preset(args.preset or "tiny"))
 
-    def run(self, args):
+    def command_for(self, args):
+        """The long-context phase (hybridtron.train.long_context) for --phase, its config file or its run."""
         phase = getattr(args, "phase", None) == PHASE or phase_of_config_file(args.config) or (
             args.resume and args.out is not None and phase_of_config_file(str(Path(args.out) / RUN_CONFIG)))
         if phase:
             if getattr(args, "preset", None) is not None:
                 raise ValueError(f"--preset: the {PHASE} phase trains the model of its --from checkpoint")
-            return LONG_CONTEXT.run(args)
+            return LONG_CONTEXT
         if getattr(args, "from", None) is not None:
             raise ValueError(f"--from starts the long-context phase from a checkpoint: add --phase {PHASE}")
-        return super().run(args)
+        return self
 
     def check(self, config):
         check_run_layout(config.dist, config.model, world_from_env()[0], batch_size=config.data.batch_size,

@@ -108,9 +108,26 @@ class BuiltRun:
         self.closers = []
 
 
+@dataclass(frozen=True)
+class Phase:
+    """A run a command trains in a subdirectory of its run directory before its own trainer (MOPD's warmup SFT):
+    `command` trains it by the same rules (resumed where its checkpoints are, skipped once complete) and writes its
+    HF export, which the command's own trainer starts from. `config(run_config, out)` gives the phase's
+    configuration, or None where this run has no such phase; it is called only when the phase may train, so it may
+    write the phase's data into `out` first."""
+
+    directory: str
+    command: RunCommand
+    config: Callable[[SectionedConfig, Path], SectionedConfig | None]
+
+
 class RunCommand:
     """A training command. Subclasses set `name`, `config_class`, `inputs` and `default_steps`, and define
-    `default_config`, `build` and, where they have them, `check`, `add_command_arguments` and `summary_line`."""
+    `default_config`, `build` and, where they have them, `check`, `add_command_arguments` and `summary_line`.
+    The flow (`run`: resolve, check, `train_in`, `finish`) is the scaffold's; what a command needs of it is a hook:
+    `command_for` (arguments another command runs), `flag_overrides` and `steps_setting` (its flags as --set),
+    `rebase` (a run's configuration given as --config), `phases` (runs trained before its own), `default_out` and
+    `train_run` (a command whose run is not one trainer's, such as `branch`)."""
 
     name = ""
     config_class: type[SectionedConfig] = SectionedConfig
@@ -121,6 +138,8 @@ class RunCommand:
     out_help = ("run directory; created, and holds the checkpoints, metrics and HF export (required unless "
                 "--print-config)")
     steps_help = ""  # what --steps means, where it is not the run's optimizer steps (default: those)
+    steps_setting = "train.steps"  # the field --steps N sets
+    phases: tuple[Phase, ...] = ()  # trained in this order, each in its directory of --out, before the command's own
 
     # ------------------------------------------------------------------------------ declared by each command
     def default_config(self, args, inputs: dict[str, Any]) -> SectionedConfig:
@@ -139,10 +158,34 @@ class RunCommand:
     def summary_line(self, history: list[tuple[int, float]]) -> str:
         return validation_loss_line(history)
 
+    def command_for(self, args) -> RunCommand:
+        """The command that runs `args`: this one, or another its options select (pretraining's --phase)."""
+        return self
+
+    def flag_overrides(self, args) -> list[str]:
+        """The command's own options as `--set` overrides, applied after --set (e.g. branch's --tokens)."""
+        return []
+
+    def rebase(self, config: SectionedConfig) -> SectionedConfig:
+        """A new run's configuration read from another run's run_config.json (`--config`), its inputs already this
+        run's: the architecture of this run's checkpoint (`MODEL_FROM`) where it has one."""
+        source = self.config_class.MODEL_FROM
+        if source is None:
+            return config
+        return dataclasses.replace(config, model=self.model_config_of(getattr(config, source)))
+
+    def default_out(self, config) -> Path:
+        """The run directory when --out is not given."""
+        raise ValueError(f"--out is required: the run directory to create (e.g. --out runs/{self.name})")
+
+    def checkpoint_dirs(self, out: Path) -> list[Path]:
+        """Where this run's checkpoints are: its own, then each phase's."""
+        return [out / "checkpoints"] + [out / phase.directory / "checkpoints" for phase in self.phases]
+
     def has_started(self, out: Path) -> bool:
-        """`out` holds checkpoints of this run (a command with phases counts every phase's: what a pipeline stage or
-        a torchrun restart resumes)."""
-        return has_checkpoints(out / "checkpoints")
+        """`out` holds checkpoints of this run, its phases' included: what --resume, a pipeline stage or a torchrun
+        restart continues."""
+        return any(has_checkpoints(directory) for directory in self.checkpoint_dirs(out))
 
     def model_config_of(self, source: str) -> ModelConfig:
         """The architecture of the checkpoint named by the input `MODEL_FROM` fixes: its config.json."""
@@ -196,7 +239,8 @@ class RunCommand:
     def resolve(self, args) -> tuple[SectionedConfig, SectionedConfig | None]:
         """(the configuration to run, the run's saved configuration with --resume, else None). A resume's changes
         that the sections do not allow are refused here, before anything is written."""
-        overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
+        overrides = list(args.overrides) + self.flag_overrides(args) + (
+            [f"{self.steps_setting}={args.steps}"] if args.steps is not None else [])
         toml_path, given = args.config, self.given_inputs(args)
         if args.resume:
             if toml_path is not None and Path(toml_path).suffix == ".json":
@@ -222,9 +266,8 @@ class RunCommand:
                 raise FileNotFoundError(f"{toml_path}: config file not found")
             base = self.config_class.load(toml_path)
             base = dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
-            source = self.config_class.MODEL_FROM
-            if source is not None and given.get(source) is not None:  # another checkpoint: its architecture
-                base = dataclasses.replace(base, model=self.model_config_of(given[source]))
+            if any(v is not None for v in given.values()):  # other inputs than that run's: what they fix
+                base = self.rebase(base)
             return change_config(base, None, overrides), None
         for item in self.inputs:
             if not item.optional and not given[item.field]:
@@ -243,46 +286,54 @@ class RunCommand:
 
     # ---------------------------------------------------------------------------------------------- the run
     def run(self, args) -> int:
+        command = self.command_for(args)
+        if command is not self:
+            return command.run(args)
         config, saved = self.resolve(args)
         if args.print_config:
             print(config.to_toml(), end="")
             return 0
-        if not args.out:
-            raise ValueError(f"--out is required: the run directory to create (e.g. --out runs/{self.name})")
+        out = Path(args.out) if args.out else self.default_out(config)
         self.check(config)
+        return self.train_run(config, out, resume=args.resume, quiet=args.quiet, saved=saved)
+
+    def train_run(self, config, out: Path, *, resume: bool, quiet: bool, saved=None) -> int:
+        """Train the checked `config` in `out` and end the command (`train_in`, then `finish`); its exit status."""
         # the run owns RUN/hf and replaces its own export at the end; a directory there holding something else is
         # refused now, not after the training
-        check_checkpoint_target(Path(args.out) / "hf", overwrite=True, option="the run's HF export")
-        built = self.train_in(config, Path(args.out), resume=args.resume, quiet=args.quiet, saved=saved)
+        check_checkpoint_target(out / "hf", overwrite=True, option="the run's HF export")
+        built = self.train_in(config, out, resume=resume, quiet=quiet, saved=saved)
         if built is None:  # the run in --out was already complete
             return 0
-        return self.finish(built, Path(args.out))
+        return self.finish(built, out)
 
     def train_in(self, config, out: Path, *, resume: bool, quiet: bool, saved=None) -> BuiltRun | None:
-        """Train `config` in the run directory `out` by the rules of the module docstring: the built run once it has
-        trained, or None when the run in `out` was already complete (which it says). `saved`: the run's saved
-        configuration when resuming."""
-        started = has_checkpoints(out / "checkpoints")
+        """Train `config` in the run directory `out` by the rules of the module docstring, its `phases` first: the
+        built run once it has trained, or None when the run in `out` was already complete (which it says).
+        `saved`: the run's saved configuration when resuming."""
+        started = self.has_started(out)
         resume = resume or (restarted_by_torchrun() and started)
         complete = complete_steps(out)
         if not resume and started:
             if complete is not None:
                 say_complete(out, self.name, complete)
                 return None
-            raise unfinished_run(out)
+            raise unfinished_run(out, *self.checkpoint_dirs(out)[1:])
         if resume and complete is not None and config.train.steps <= complete:
             say_complete(out, self.name, complete)
             return None
         checkpoints = CheckpointManager(out / "checkpoints", keep=config.train.keep_checkpoints)
         try:
             latest = checkpoints.latest() if resume else None
-            if resume and latest is None:
+            phase_started = any(has_checkpoints(directory) for directory in self.checkpoint_dirs(out)[1:])
+            if resume and latest is None and not phase_started:  # a resume stopped in a phase continues there
                 raise FileNotFoundError(f"{out / 'checkpoints'}: no complete checkpoint to resume from")
             if latest is not None and step_of(latest) > config.train.steps:
                 raise ValueError(f"--resume: the run's checkpoint is at step {step_of(latest)}, past train.steps="
                                  f"{config.train.steps}; give --steps N with N >= {step_of(latest)}")
-            if is_main_process():
+            if is_main_process():  # before any phase: a run stopped in one resumes from this file
                 config.save(out / RUN_CONFIG)
+            self.train_phases(config, out, quiet=quiet)
             built = self.build(config, out, checkpoints, quiet=quiet)
             trainer = built.trainer
             try:
@@ -298,6 +349,21 @@ class RunCommand:
         finally:
             checkpoints.close()
         return built
+
+    def train_phases(self, config, out: Path, *, quiet: bool) -> None:
+        """Each phase of this run in its directory, resumed where it stopped, skipped once complete; its HF
+        export written (under torchrun gathered, and whole on every rank's return)."""
+        for phase in self.phases:
+            directory = out / phase.directory
+            phase_config = phase.config(config, out) if complete_steps(directory) is None else None
+            if phase_config is None:
+                continue
+            built = phase.command.train_in(phase_config, directory, quiet=quiet,
+                                           resume=has_checkpoints(directory / "checkpoints"))
+            if built is not None and export_model(built.trainer, directory / "hf", built.tokenizer):
+                history = built.trainer.evaluators[0].history if built.trainer.evaluators else []
+                if history:
+                    print(f"{phase.directory}: {phase.command.summary_line(history)}", file=sys.stderr)
 
     def finish(self, built: BuiltRun, out: Path) -> int:
         """The end of the command: the HF export, the summary, the process group closed; the exit status."""
