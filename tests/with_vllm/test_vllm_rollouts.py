@@ -173,6 +173,9 @@ def test_a_vllm_process_that_dies_is_one_line(engine):
                                           r"1: its process died \(exit code -9\).*resume it \(--resume\)") as info:
         vllm.generate([[1, 10]], SamplingParams(seed=1, max_tokens=4), 1, version=1)
     assert "\n" not in str(info.value)
+    vllm.close()  # the log the line names outlives the engine; the weights written for vLLM do not
+    assert vllm.process.log.is_file() and str(vllm.process.log) in str(info.value)
+    assert [p.name for p in vllm.workdir.iterdir()] == ["vllm.log"]
 
 
 # ------------------------------------------------------------------------------------------------ end to end
@@ -290,3 +293,26 @@ def test_a_vllm_that_does_not_start_is_one_line(policy_dir, tmp_path, monkeypatc
                                           r"grpo.engine=hybridtron"):
         VLLMRollouts(GRPOConfig(speculative=False), model_dir=str(policy_dir), model_config=model_config,
                      tokenizer=tokenizer)
+
+
+def test_grpo_on_a_tool_environment_samples_its_turns_on_vllm(tmp_path):
+    """GRPO on `math-python` (the turn loop: the system turn declares the `python` tool) with vLLM sampling every turn:
+    the trajectory's model tokens come back with their log-probs (the learner's to fp32 rounding at step 1) and the
+    agentic statistics are logged. The random policy rarely calls its tool: this checks the plumbing of trajectories
+    through vLLM; the turns after a tool call go through the same `generate` (tests/post/test_agentic_rl.py)."""
+    directory = tmp_path / "policy"
+    words = ["What is", "python", "print", "boxed", "answer", "tool_call"] + [str(i) for i in range(100)]
+    tokenizer = Tokenizer.train([" ".join(random.Random(i).choices(words, k=30)) for i in range(300)], 512)
+    torch.manual_seed(0)
+    save_pretrained(HybridLM(dense_config(max_position_embeddings=1536)), directory)
+    save_tokenizer_files(tokenizer, directory, model_max_length=1536)
+    run = tmp_path / "grpo"
+    assert cli_main(["grpo", "--model", str(directory), "--env", "math-python", "--out", str(run), "--quiet",
+                     "--steps", "1", "--set", "grpo.engine=vllm", "--set", "grpo.speculative=false",
+                     "--set", "grpo.group_size=2", "--set", "grpo.prompts_per_step=2", "--set", "grpo.task_pool=10",
+                     "--set", "grpo.max_new_tokens=8", "--set", "grpo.eval_tasks=0", "--set", "grpo.max_refill_rounds=0",
+                     "--set", "train.grad_accum=1"]) == 0
+    line = _metrics(run)[-1]
+    assert line["step"] == 1 and line["turns_per_trajectory"] >= 1.0 and line["rollout_tokens"] > 0
+    assert "tool_calls_well_formed" in line and "tool_calls_per_trajectory" in line
+    assert line["is_mismatch"] < 1e-5 and 1 - 1e-4 < line["is_weight_min"] <= line["is_weight_max"] < 1 + 1e-4

@@ -149,7 +149,8 @@ class VLLMProcess:
     fix. `section` names the RL section in those lines."""
 
     def __init__(self, options: dict, *, section: str, workdir: Path):
-        self.section, self.log = section, workdir / "vllm.log"
+        self.section, self.workdir, self.log = section, workdir, workdir / "vllm.log"
+        self.failed = False  # a failure's line names the log: `discard` keeps it
         key = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=key)
         env = {**os.environ, "HYBRIDTRON_VLLM_ADDRESS": json.dumps(listener.address),
@@ -192,6 +193,7 @@ class VLLMProcess:
         except OSError:
             pass
         fix = f"; {fix}, or set {self.section}.engine=hybridtron" if fix else ""
+        self.failed = True
         raise RoleStopped(f"{self.section}.engine=vllm: vLLM failed while {doing}: {cause}{tail}; its log: "
                           f"{self.log}{fix}")
 
@@ -230,6 +232,18 @@ class VLLMProcess:
             except (AttributeError, OSError, subprocess.TimeoutExpired):
                 self.process.kill()
                 self.process.wait()
+
+    def discard(self) -> None:
+        """Close, and remove the scratch directory (the weights written for vLLM), but for the log a failure named."""
+        self.close()
+        if not self.failed:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            return
+        for path in self.workdir.iterdir():
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path != self.log:
+                path.unlink(missing_ok=True)
 
 
 def _seed(seed: int, prompt: int) -> int:
@@ -345,8 +359,7 @@ class VLLMRollouts(RolloutEngine):
         return self.process.call("version", "reading the weight version")
 
     def close(self) -> None:
-        self.process.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.process.discard()
 
 
 # ------------------------------------------------------------------------------------------ teacher scoring
@@ -405,5 +418,4 @@ class VLLMTeacher:
         return scores
 
     def close(self) -> None:
-        self.process.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.process.discard()

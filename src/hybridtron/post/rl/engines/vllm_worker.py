@@ -45,6 +45,7 @@ def one_line(exc: BaseException) -> str:
 class Worker:
     def __init__(self, options: dict):
         from vllm import LLM
+        from vllm.platforms import current_platform
 
         self.options = options
         kwargs = dict(model=options["model"], dtype=options["dtype"], seed=options["seed"],
@@ -58,6 +59,11 @@ class Worker:
             from vllm.config import WeightTransferConfig
 
             kwargs["weight_transfer_config"] = WeightTransferConfig(backend=options["weight_transfer"])
+        if current_platform.is_cpu():
+            # vLLM 0.32's CPU build fails on any prompt longer than one Mamba cache block with prefix caching on
+            # (model_executor/layers/mamba/mamba_mixer2.py, conv_ssm_forward: `varlen_states[last_chunk_indices_p]`
+            # raises IndexError; measured with 200-token prompts), so the CPU engine runs without it
+            kwargs["enable_prefix_caching"] = False
         kwargs.update(options.get("engine_args") or {})
         self.llm = LLM(**kwargs)
 
