@@ -316,3 +316,20 @@ def test_grpo_on_a_tool_environment_samples_its_turns_on_vllm(tmp_path):
     assert line["step"] == 1 and line["turns_per_trajectory"] >= 1.0 and line["rollout_tokens"] > 0
     assert "tool_calls_well_formed" in line and "tool_calls_per_trajectory" in line
     assert line["is_mismatch"] < 1e-5 and 1 - 1e-4 < line["is_weight_min"] <= line["is_weight_max"] < 1 + 1e-4
+
+
+def test_grpo_with_vllm_in_a_ray_actor(policy_dir, tmp_path):
+    """The rollout role as a Ray actor (`rollout_backend = "ray"`) owning its vLLM process: the same protocol as
+    inline and in a process (the weights pushed every step, the version checked)."""
+    pytest.importorskip("ray")  # the `ray` extra, which scripts/setup.sh installs
+    run = tmp_path / "grpo"
+    assert cli_main(["grpo", "--model", str(policy_dir), "--env", TOY, "--out", str(run), "--quiet", "--steps", "2",
+                     "--set", "grpo.engine=vllm", "--set", "grpo.speculative=false", "--set", "grpo.group_size=4",
+                     "--set", "grpo.prompts_per_step=2", "--set", "grpo.task_pool=20", "--set", "grpo.max_new_tokens=12",
+                     "--set", "grpo.eval_tasks=0", "--set", "grpo.rollout_backend=ray",
+                     "--set", "train.grad_accum=1"]) == 0
+    lines = _metrics(run)
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:  # synchronous: each batch sampled by vLLM with the learner's weights of that step
+        assert line["rollout_tokens"] > 0 and line["is_mismatch"] < 1e-5
+        assert 1 - 1e-4 < line["is_weight_min"] <= line["is_weight_max"] < 1 + 1e-4
