@@ -1,5 +1,5 @@
 """The RL log-prob passes by blocks of rows (`logprob_chunk`, hybridtron.post.rl.objective.token_scores over
-ops.linear_logprobs), through lm_head's weight and through the model's logits (a pipeline's last stage, a sharded
+ops.linear_logprobs), through lm_head's weight and through the model's logits (a pipeline's last stage, a quantized
 head), against the whole-logits path they replaced: GRPO's and MOPD's losses, metrics and gradients, the reference's
 and the teachers' scores; no [tokens, vocab] tensor beyond one block through the weight; the setting's checks."""
 
@@ -72,7 +72,7 @@ def _step(model, objective, micro_batches, logits: bool):
 
 def _same_step(model, objective_with_chunk, micro_batches):
     """The step by blocks of CHUNK rows, through lm_head's weight and through the logits (a pipeline's last stage,
-    a sharded head), equals the one on the whole logits (the path before `logprob_chunk`): losses, metrics and
+    a quantized head), equals the one on the whole logits (the path before `logprob_chunk`): losses, metrics and
     gradients to 1e-6. (Not to the bit: a block's GEMMs have fewer rows than the whole micro-batch's, and BLAS may
     round a product of one or two rows differently; lm_head's gradient sums the rows block by block.
     tests/ops/test_linear_logprobs.py has where the bits agree.)"""

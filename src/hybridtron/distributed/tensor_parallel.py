@@ -10,7 +10,8 @@ reduce-scatters its output back to sequence shards:
                   divide n_groups); out_proj row-parallel
     MLP, shared   up column-parallel, down row-parallel (the shared expert on the MoE's flattened tokens)
     embedding     vocabulary-parallel; its output all-reduced, then cut into sequence shards for the first block
-    lm_head       vocabulary-parallel on the gathered sequence; the logits gathered (the loss is replicated)
+    lm_head       vocabulary-parallel on the gathered sequence; the logits gathered (the loss is replicated);
+                  the RL passes gather one block of rows' logits at a time instead (`distributed/head.py`)
 
 Everything that acts token by token on sequence shards runs on local tensors with weights replicated over TP:
 the block norms, norm_f, the MoE router, latent projections and routed experts (which EP dispatches; under ETP

@@ -86,9 +86,15 @@ class MainGradLinear(nn.Module):
         self.applications = 0
         self.recorder: list[tuple[int, Tensor]] | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def applied_weight(self) -> Tensor:
+        """The weight of one application: its gradient goes to ``main_grad`` (what the RL log-prob passes multiply
+        by when they apply the head themselves, `hybridtron.distributed.head`)."""
         weight = _AccumulateWgrad.apply(self.weight, self, self.applications)
         self.applications += 1
+        return weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.applied_weight()
         if self.recipe is None:
             return F.linear(x, weight, self.bias)
         return emulated_linear(x, weight, self.bias, self.recipe, self.sr_generators, self.stats)

@@ -125,8 +125,9 @@ def token_stage_inputs(micro_batch: TokenBatch) -> MicroBatchInputs:
 
 def local_head_weight(model) -> torch.Tensor | None:
     """lm_head's weight where a loss can apply it itself (`linear_cross_entropy`): a plain `nn.Linear` holding its
-    whole weight as a local tensor. None for an FSDP or TP shard (only the module's own forward gathers it) and for
-    a converted head (`MainGradLinear` accumulates its own weight gradient)."""
+    whole weight as a local tensor. None for an FSDP or TP shard (gathered only within a call of the module, which
+    the RL passes make theirs: `distributed.head.apply_head`; pretraining takes the logits there) and for a
+    converted head (`MainGradLinear` accumulates its own weight gradient)."""
     head = getattr(model, "lm_head", None)
     if type(head) is not torch.nn.Linear or head.bias is not None or isinstance(head.weight, DTensor):
         return None

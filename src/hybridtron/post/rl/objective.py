@@ -7,10 +7,14 @@ normalised by, and what the stages read under pipeline parallelism. Each objecti
 Every RL log-prob pass (the learner here, the reference and the teachers' scoring) stops the model before lm_head
 (`head_forward`) and applies it itself with `ops.linear_logprobs`, `logprob_chunk` rows at a time, recomputing a
 block's logits in the backward: no [tokens, vocab] tensor exists beyond one block, and only the labelled positions
-(the completions) are scored. Where lm_head's weight is not a local tensor (`local_head_weight`: an FSDP or TP shard
-under torchrun, a converted head) and on a pipeline's last stage, the model's [tokens, vocab] logits are taken as
-they come, as pretraining's loss does there, and the same per-row function runs on blocks of them: beside the logits
-and their gradient, no other such tensor.
+(the completions) are scored. The learner's MTP losses go through pretraining's fused lm_head + CE the same way.
+Under torchrun too: the op runs as a call of the lm_head module (`distributed.head.apply_head`), so FSDP2 gathers
+the weight and reduce-scatters its gradient as for the head's own forward, a TP head is applied vocabulary-parallel
+(each block's logits gathered over the TP ranks, one block at a time), and a converted head (`MainGradLinear`)
+accumulates its gradient in its main_grad (in `train.grad_accum_dtype`). Only where lm_head is not a plain linear
+layer (a quantized head: `distributed.head.blockwise_head`) and on a pipeline's last stage are the model's
+[tokens, vocab] logits taken as they come, as pretraining's loss takes them there, and the same per-row function
+runs on blocks of them: beside the logits and their gradient, no other such tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridtron.distributed.head import apply_head, blockwise_head
 from hybridtron.distributed.mesh import Parallel
 from hybridtron.distributed.pipeline import MicroBatchInputs
 from hybridtron.infer.sampling import probs_from_logits
@@ -31,7 +36,7 @@ from hybridtron.post.losses import token_entropy
 from hybridtron.post.rl.batches import rollout_router_counts
 from hybridtron.post.rl.config import LOGPROB_CHUNK
 from hybridtron.post.sft import sft_loss
-from hybridtron.train.objectives import ObjectiveOutput, local_head_weight, token_mean_shares
+from hybridtron.train.objectives import ObjectiveOutput, token_mean_shares
 
 LOGP_FLOOR = -50.0  # a sampled token the learner's top-k / top-p would have filtered out: log-prob floored here
 
@@ -55,11 +60,12 @@ def sampled_logprobs(logits_BTV, tokens_BT, temperature: float, top_k: int = 0, 
 
 @dataclass
 class HeadOutputs:
-    """What a forward hands the log-prob passes: lm_head's inputs (the backbone's, then each MTP depth's) with its
-    local `weight`, or, `weight` None, their logits (a pipeline's last stage; a sharded or converted lm_head)."""
+    """What a forward hands the log-prob passes: lm_head's inputs (the backbone's, then each MTP depth's) with the
+    lm_head module they apply (`lm_head`, a `distributed.head.blockwise_head`), or, `lm_head` None, their logits
+    (a pipeline's last stage; a quantized lm_head)."""
 
     states: tuple[torch.Tensor, ...]
-    weight: torch.Tensor | None = None
+    lm_head: torch.nn.Module | None = None
 
 
 def as_head_outputs(outputs) -> HeadOutputs:
@@ -68,12 +74,12 @@ def as_head_outputs(outputs) -> HeadOutputs:
 
 
 def head_forward(model, input_ids, **inputs):
-    """`model(input_ids, **inputs)` stopped before lm_head where its weight is local (`logits=False`), and the
-    (`HeadOutputs`, the model's output) of it."""
-    weight = local_head_weight(model)
-    out = model(input_ids, logits=weight is None, **inputs)
-    states = (out.hidden, *out.mtp_hidden) if weight is not None else (out.logits, *out.mtp_logits)
-    return HeadOutputs(states, weight), out
+    """`model(input_ids, **inputs)` stopped before lm_head where the passes can apply it themselves
+    (`blockwise_head`; `logits=False`), and the (`HeadOutputs`, the model's output) of it."""
+    head = blockwise_head(model)
+    out = model(input_ids, logits=head is None, **inputs)
+    states = (out.hidden, *out.mtp_hidden) if head is not None else (out.logits, *out.mtp_logits)
+    return HeadOutputs(states, head), out
 
 
 @dataclass
@@ -104,25 +110,45 @@ def row_scores(logits_RV, tokens_R, *given_ids_RK, temperature, top_k, top_p, en
 def token_scores(head: HeadOutputs, tokens_BT, temperature: float, top_k: int = 0, top_p: float = 1.0, *,
                  entropy: bool = False, given_ids=None, top: int = 0, chunk: int = LOGPROB_CHUNK) -> TokenScores:
     """`TokenScores` of the labels `tokens_BT` from the first of `head`'s states, `chunk` rows at a time
-    (`ops.linear_logprobs`): the labelled rows through lm_head where its weight is given, else every position's
-    logits. `given_ids` [B, T, K]: ids whose log-probs to return (MOPD's teacher top K); `top`: return the K = `top`
-    most likely tokens."""
+    (`ops.linear_logprobs`): the labelled rows through lm_head where the module is given (`apply_head`), else every
+    position's logits. `given_ids` [B, T, K]: ids whose log-probs to return (MOPD's teacher top K); `top`: return
+    the K = `top` most likely tokens."""
     fn = functools.partial(row_scores, temperature=temperature, top_k=top_k, top_p=top_p, entropy=entropy, top=top)
     extra = () if given_ids is None else (given_ids,)
     B, T = tokens_BT.shape
-    if head.weight is None:  # every position of the logits (selecting rows would copy them)
+    if head.lm_head is None:  # every position of the logits (selecting rows would copy them)
         scored = linear_logprobs(head.states[0].flatten(0, 1), None, fn, tokens_BT.flatten(),
                                  *(x.flatten(0, 1) for x in extra), chunk=chunk)
         outputs = [out.view(B, T, *out.shape[1:]) for out in scored]
     else:
         rows = (tokens_BT.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
-        scored = linear_logprobs(head.states[0].flatten(0, 1).index_select(0, rows), head.weight, fn,
-                                 tokens_BT.flatten()[rows], *(x.flatten(0, 1)[rows] for x in extra), chunk=chunk)
+
+        def labelled_rows(hidden_BTD, weight_VD, vocab_group):
+            return linear_logprobs(hidden_BTD.flatten(0, 1).index_select(0, rows), weight_VD, fn,
+                                   tokens_BT.flatten()[rows], *(x.flatten(0, 1)[rows] for x in extra), chunk=chunk,
+                                   vocab_group=vocab_group)
+
         outputs = [out.new_zeros(B * T, *out.shape[1:]).index_copy(0, rows, out).view(B, T, *out.shape[1:])
-                   for out in scored]
+                   for out in apply_head(head.lm_head, labelled_rows, head.states[0])]
     outputs = iter(outputs)
     return TokenScores(next(outputs), next(outputs) if entropy else None, next(outputs) if extra else None,
                        *((next(outputs), next(outputs)) if top else ()))
+
+
+def head_cross_entropy(hidden_BTD, weight_VD, vocab_group, targets_BT, chunk: int = LOGPROB_CHUNK):
+    """The mean CE of `targets_BT` through lm_head (an `apply_head` op): pretraining's fused lm_head + CE
+    (`linear_cross_entropy`), or on a vocabulary split over `vocab_group` (TP) the targets' log-probs by blocks of
+    `chunk` rows (`linear_logprobs`, which the fused loss does not take). No target: a zero that still reaches the
+    hidden states and the weight (their gradients zeros, as a sharded head's backward expects on every rank)."""
+    if not (targets_BT != IGNORE_INDEX).any():
+        return hidden_BTD.sum() * 0.0 + weight_VD.sum() * 0.0
+    if vocab_group is None:
+        return linear_cross_entropy(hidden_BTD.flatten(0, 1), weight_VD, targets_BT.flatten())
+    rows = (targets_BT.flatten() != IGNORE_INDEX).nonzero().squeeze(1)
+    logp, = linear_logprobs(hidden_BTD.flatten(0, 1).index_select(0, rows), weight_VD,
+                            functools.partial(row_scores, temperature=1.0, top_k=0, top_p=1.0, entropy=False, top=0),
+                            targets_BT.flatten()[rows], chunk=chunk, vocab_group=vocab_group)
+    return -logp.mean()
 
 
 class RolloutObjective:
@@ -181,17 +207,20 @@ class RolloutObjective:
     def mtp_losses(self, outputs, mb, depth_counts) -> list[torch.Tensor]:
         """Each trained MTP depth's masked CE on the completions, its share of the step's token mean over
         `depth_counts` (depth d's targets in the step, at index d - 1; `post.sft.sft_loss`): through lm_head a block
-        of rows at a time (`linear_cross_entropy`) where its weight is local, else on the depth's logits."""
+        of rows at a time where the module is given (`head_cross_entropy`), else on the depth's logits."""
         head = as_head_outputs(outputs)
         losses = []
         for depth, (state, count) in enumerate(zip(head.states[1:1 + self.mtp_depths], depth_counts), start=1):
             targets = mb.mtp_targets(depth)
-            if head.weight is None:
+            if head.lm_head is None:
                 losses.append(sft_loss(state, targets, count))
                 continue
             trained = int((targets != IGNORE_INDEX).sum())
-            losses.append(linear_cross_entropy(state.flatten(0, 1), head.weight, targets.flatten()) * (trained / count)
-                          if trained else state.sum() * 0.0)
+            # applied even without a target here: every data rank must call an FSDP-sharded head as often as the
+            # others, each call's backward reduce-scattering its weight's gradient
+            losses.append(apply_head(head.lm_head, functools.partial(head_cross_entropy, targets_BT=targets,
+                                                                  chunk=self.config.logprob_chunk), state)
+                          * (trained / count if trained else 0.0))
         return losses
 
     def old_logprobs(self, model, mb):
