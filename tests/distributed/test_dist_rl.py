@@ -1,6 +1,6 @@
 """`torchrun ... -m hybridtron grpo` and `... mopd` shard the learner: on 2 processes with DP 2 x EP 2, CP 2 (each
-rank training on half of every rollout's positions) or PP 2 (the rollouts' experts replayed stage by stage, the
-loss on the last stage), each rank generates and grades (MOPD: and teacher-scores) its share of every step's
+rank training on half of every rollout's positions), PP 2 (the rollouts' experts replayed stage by stage, the
+loss on the last stage) or TP 2 (GRPO, without routing replay), each rank generates and grades (MOPD: and teacher-scores) its share of every step's
 rollouts and gathers the rest (inline roles, the synchronous mode), or rank 0 runs them all (the asynchronous
 mode's role process), every rank trains on its part of each micro-batch, and the per-step losses, gradient norms,
 expert loads, rollout statistics and held-out pass@1 are those of one process (1e-5, fp32), with the same metrics
@@ -82,7 +82,8 @@ ONE_PROCESS_ROLES = ("--set", "grpo.rollout_backend=inline")
     ((), ("dist.ep=2",), 2),
     (("--set", "grpo.async_rollouts=true", "--set", "grpo.reference_kl=true"), ("dist.pp=2",), 1),
     (("--set", "grpo.reference_kl=true"), ("dist.cp=2", "dist.ep=2"), 2),
-], ids=["sync_split_rollouts", "async_rank0_rollouts_pp2_reference_kl", "cp2_reference_kl"])
+    (("--set", "grpo.routing_replay=false"), ("dist.tp=2",), 2),  # each rank counts its sequence shard's experts
+], ids=["sync_split_rollouts", "async_rank0_rollouts_pp2_reference_kl", "cp2_reference_kl", "tp2_without_replay"])
 def test_grpo_on_two_processes_matches_one_process(policy_dir, tmp_path, mode, layout, rollout_ranks):
     extra = ("--steps", "3", "--set", "train.lr=1e-3", *mode)
     assert _grpo(policy_dir, tmp_path / "single", *extra, *ONE_PROCESS_ROLES) == 0

@@ -121,8 +121,11 @@ class Rejected:
 @functools.lru_cache(maxsize=256)
 def tensor_parallel_reason(config: ModelConfig, tp: int) -> str | None:
     """Why `tp` cannot split this model's layers (Megatron's asserts, plus the widths TP cuts), or None."""
+    if config.vocab_size % tp:  # a width the tokenizer sets, not the architecture: padding it is the remedy
+        return (f"tp {tp} does not divide vocab_size {config.vocab_size} (the vocab-parallel embedding and lm_head): "
+                f"pad model.vocab_size to {-(-config.vocab_size // tp) * tp}, a multiple of dist.tp {tp}")
     kinds = set(config.layers_block_type) | (set(config.mtp_layers_block_type) if config.has_mtp else set())
-    checks = [("vocab_size", config.vocab_size, "the vocab-parallel embedding and lm_head")]
+    checks = []
     if MAMBA in kinds:
         checks += [("n_groups", config.n_groups, "Mamba's B/C and gated norm split by group"),
                    ("mamba_num_heads", config.mamba_num_heads, "Mamba splits by head")]

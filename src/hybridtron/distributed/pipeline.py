@@ -180,8 +180,6 @@ class Pipeline:
         counted = inputs.counted
         if counted is not None:
             counted = counted_at_depth(counted, depth, inputs.input_ids.shape[1] - inputs.lookahead)
-        if counted is not None and self.parallel.layout.tp > 1:  # the routers saw this rank's sequence shard
-            counted = counted.chunk(self.parallel.layout.tp, dim=1)[self.parallel.coordinate("tp")]
         for name in names:
             moe = self.routers.get(name)
             if moe is None:

@@ -17,7 +17,9 @@ Everything that acts token by token on sequence shards runs on local tensors wit
 the block norms, norm_f, the MoE router, latent projections and routed experts (which EP dispatches; under ETP
 they gather the TP group's tokens and split their width instead, `expert_parallel.py`), and the MTP block's norms
 and eh_proj. Their gradients differ across the TP ranks (each saw other tokens), so FSDP
-shards them over dp x tp and sums them there (`parallelize.apply_fsdp`).
+shards them over dp x tp and sums them there (`parallelize.apply_fsdp`). A router's expert counts over a mask of
+the whole sequence (`MoE.counted_expert_counts`, the RL learner's completions) take this rank's share of the mask;
+summed over the TP ranks, they are one process's.
 
 The mixers run on local shards (`LocalShardParallel`): their parameters are DTensors (so FSDP, the optimizer and
 DCP see sharded tensors), swapped for their local shards for the duration of a forward (which a compiled block
@@ -163,6 +165,11 @@ class LocalShardParallel(ParallelStyle):
         return module
 
 
+def _sequence_shard(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's sequence shard (dim 1) of `x`, whole on every TP rank: a slice; its backward all-gathers."""
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+
 class SequenceShardInputs(ParallelStyle):
     """The positional inputs at `positions`, whole on every TP rank, cut to this rank's sequence shard (a slice;
     its backward all-gathers the gradient). The other inputs pass through."""
@@ -174,8 +181,7 @@ class SequenceShardInputs(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         @torch.compiler.disable  # eager, also in a compiled block: traced, its backward loses the all-gather
         def shard(mod, args):
-            return tuple(DTensor.from_local(a, device_mesh, [Replicate()], run_check=False).redistribute(
-                device_mesh, [Shard(1)]).to_local() if i in self.positions else a for i, a in enumerate(args))
+            return tuple(_sequence_shard(a, device_mesh) if i in self.positions else a for i, a in enumerate(args))
 
         module.register_forward_pre_hook(shard)
         return module
@@ -203,6 +209,14 @@ def _mixer_style(kind: str, mixer: nn.Module, tp: int) -> LocalShardParallel | N
     if kind == MLP_KIND:
         return LocalShardParallel({"up_proj.weight": Shard(0), "down_proj.weight": Shard(1)})
     return None
+
+
+def _count_sequence_share(moe: nn.Module, mesh: DeviceMesh) -> None:
+    """`moe.counted_expert_counts` takes the whole sequence's `counted` mask [B, T] (what the objective has, and
+    what a forward on one process routes) and counts this rank's share of it: the router saw this rank's sequence
+    shard only. The TP ranks' counts sum to one process's (`ExpertBalance` sums them over the token ranks)."""
+    count = moe.counted_expert_counts
+    moe.counted_expert_counts = lambda counted: count(_sequence_shard(counted, mesh))
 
 
 def _no_routing_replay(module, args, kwargs):
@@ -244,6 +258,7 @@ def apply_tensor_parallel(model: nn.Module, parallel: Parallel) -> None:
             parallelize_module(module.mixer.shared_experts, mesh, LocalShardParallel(
                 {"up_proj.weight": Shard(0), "down_proj.weight": Shard(1)}, gather_dim=0, output_dim=0))
             module.mixer.register_forward_pre_hook(_no_routing_replay, with_kwargs=True)
+            _count_sequence_share(module.mixer, mesh)
     if getattr(model, "mtp", None) is not None:  # its inputs: the last hidden shard, the whole next embeddings
         parallelize_module(model.mtp, mesh, SequenceShardInputs((1,)))
     if model.lm_head is not None:
