@@ -13,7 +13,7 @@ The paths:
     blocks  lm_head applied by the loss, `--chunk` rows at a time (ops/linear_logprobs.py: no [tokens, vocab]
             tensor beyond one block), the MTP depths through pretraining's fused lm_head + CE
     logits  the model's logits and each MTP depth's, [tokens, vocab] each, handed to the same loss
-            (`loss_from_outputs`, as a pipeline's last stage or a sharded lm_head hands them), the log-probs by
+            (`loss_from_outputs`, as a quantized lm_head's `HeadOutputs` hand them), the log-probs by
             blocks of `--chunk` rows of them
     before  the path before `logprob_chunk`, as GRPO's loss ran it (`loss_before`): `sampled_logprobs` on the
             whole logits, the entropy of them without a graph, the MTP depths' cross entropy on theirs
@@ -50,7 +50,7 @@ from hybridtron.post.grpo import GRPOConfig, GRPOObjective
 from hybridtron.post.losses import grpo_loss, token_entropy
 from hybridtron.post.rl.batches import rollout_rows
 from hybridtron.post.rl.config import LOGPROB_CHUNK
-from hybridtron.post.rl.objective import sampled_logprobs
+from hybridtron.post.rl.objective import HeadOutputs, sampled_logprobs
 from hybridtron.post.rl.rollout import Rollout
 from hybridtron.post.sft import sft_loss
 from hybridtron.train.preflight import available_memory
@@ -106,7 +106,7 @@ def worker(tokens: int, path: str, chunk: int, threads: int) -> dict:
         loss = objective(model, mb).loss
     elif path == "logits":
         lm = model(mb.input_ids, mtp=objective.mtp_depths > 0, counted=mb.counted)
-        loss = objective.loss_from_outputs(model, (lm.logits, *lm.mtp_logits), mb).loss
+        loss = objective.loss_from_outputs(model, HeadOutputs((lm.logits, *lm.mtp_logits)), mb).loss
     else:
         loss = loss_before(objective, model, mb)
     loss.backward()

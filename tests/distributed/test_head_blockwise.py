@@ -5,7 +5,8 @@ vocabulary-parallel, each block's logits gathered over the TP ranks), CP 2 (wher
 of an MTP depth and still applies the head: each call's backward reduce-scatters) and EP 2, a GRPO step (the
 rollout's top-p filter, the entropy bonus, the MTP loss) and a MOPD step (the top-K reverse KL: the learner's
 log-probs of the teacher's K tokens, the MTP loss) give one process's losses, metrics and gradients of every
-parameter (1e-6, fp32), also where a data rank holds only padding. lm_head's own
+parameter (1e-6, fp32), also where a data rank holds only padding; so do they under PP 2 (on 2 processes, and on 4
+with FSDP over each stage's 2 data ranks), whose last stage hands the loss lm_head's inputs. lm_head's own
 forward (which would make the whole logits) never runs, and no tensor over the vocabulary has more than
 `logprob_chunk` rows, forward or backward. In one process, a head converted for `train.grad_accum_dtype`
 (`MainGradLinear`) takes the same blocks, its gradient accumulated in its main_grad."""
@@ -13,6 +14,7 @@ forward (which would make the whole logits) never runs, and no tensor over the v
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sys
 from pathlib import Path
@@ -35,7 +37,7 @@ from hybridtron.ops import linear_cross_entropy as linear_cross_entropy_module
 from hybridtron.ops.linear_logprobs import linear_logprobs
 from hybridtron.post.grpo import GRPOObjective
 from hybridtron.post.mopd import MOPDObjective
-from hybridtron.post.rl.batches import pack_micro_batches, shard_micro_batch
+from hybridtron.post.rl.batches import pack_micro_batches, shard_micro_batch, uniform_micro_batches
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "post"))
 from test_logprob_chunk import CHUNK, _batch, _grpo, _mopd  # noqa: E402
@@ -74,18 +76,42 @@ def _objectives(config, parallel):
                      _batch(config, ["a", "b"] * 4, [0.0] * 8, seed=2, top=8))}
 
 
+def _totals(results, parallel):
+    """The micro-batches' losses and metrics, [micro-batch, loss then each metric], summed over the data ranks."""
+    totals = torch.stack([torch.stack([result.loss.detach(), *(result.metrics[k].float()
+                                                               for k in sorted(result.metrics))])
+                          for result in results])
+    return totals if parallel is None else parallel.sum_over_data(totals)
+
+
 def _step(model, objective, micro_batches, parallel):
     """(losses and metrics summed over the data ranks, each parameter's whole gradient) of one step."""
     model.zero_grad()
     objective.begin_step(micro_batches)
-    totals = []
+    results = []
     for mb in micro_batches:
-        result = objective(model, mb)
-        result.loss.backward()
-        totals.append(torch.stack([result.loss.detach(), *(result.metrics[k].float() for k in sorted(result.metrics))]))
-    totals = torch.stack(totals)
-    if parallel is not None:
-        totals = parallel.sum_over_data(totals)
+        results.append(objective(model, mb))
+        results[-1].loss.backward()
+    return _totals(results, parallel), _grads(model)
+
+
+def _pipeline_step(model, objective, micro_batches, parallel):
+    """`_step` through the pipeline's schedule, the loss on the last stage from its outputs (lm_head's inputs):
+    (the losses and metrics on the last stage, None on the others; the gradients of this rank's parameters)."""
+    model.zero_grad()
+    objective.begin_step(micro_batches)
+    results = {}
+
+    def last_stage_loss(outputs, index):
+        results[int(index)] = objective.loss_from_outputs(model, outputs, micro_batches[int(index)])
+        return results[int(index)].loss
+
+    parallel.pipeline.step([objective.stage_inputs(mb) for mb in micro_batches], last_stage_loss)
+    return _totals([results[i] for i in sorted(results)], parallel) if results else None, _grads(model)
+
+
+def _grads(model):
+    """Each parameter's whole gradient, by its single-process name."""
     packings = getattr(model, "_tp_packings", {})
     grads = {}
     for name, p in model.named_parameters():
@@ -94,7 +120,7 @@ def _step(model, objective, micro_batches, parallel):
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         name = canonical_name(name)
         grads[name] = packings[name].canonical(grad) if name in packings else grad
-    return totals, grads
+    return grads
 
 
 def _whole_logits(*args, **kwargs):
@@ -104,6 +130,8 @@ def _whole_logits(*args, **kwargs):
 def _by_blocks(model, step):
     """`step()` with lm_head's own forward failing (`apply_head` swaps it for its call) and no tensor over the
     vocabulary of more than a block; (its result, the most rows of such a tensor)."""
+    if model.lm_head is None:  # a pipeline stage without the head
+        return step(), 0
     own = model.lm_head.__dict__.get("forward")  # TP's, on the instance
     model.lm_head.forward = _whole_logits
     try:
@@ -151,6 +179,48 @@ def _check(rank: int):
                 error = float((grads[name] - want_grads[name]).abs().max())
                 if not error <= TOLERANCE * max(1.0, float(want_grads[name].abs().max())):
                     yield f"{what}: {name}'s gradient differs by {error:.3g}"
+
+
+def _check_pipeline(rank: int, world: int):
+    """PP 2 (on 4 processes with FSDP over each stage's 2 data ranks): the last stage hands the loss lm_head's
+    inputs, and GRPO's and MOPD's steps apply the stage's head by blocks as one process does."""
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    linear_cross_entropy_module.BLOCK_ELEMENTS = CHUNK * VOCAB
+    config = _small_config(vocab_size=VOCAB, layers_block_type=parse_pattern("M*E-ME"),
+                           mtp_layers_block_type=parse_pattern("*E"))
+    parallel = init_parallel(DistConfig(pp=2, backend="gloo"), config, batch_size=8, grad_accum=2, seq_len=16)
+    torch.manual_seed(SEED)
+    single = HybridLM(config)
+    torch.manual_seed(SEED)
+    model = parallelize(HybridLM.on_meta(config), parallel)
+    last = parallel.pipeline.holds_loss
+    for kind in ("grpo", "mopd"):
+        (objective, batch), (reference, _) = _objectives(config, parallel)[kind], _objectives(config, None)[kind]
+        what = f"{kind} under pp=2 dp={parallel.layout.dp}, {'last' if last else 'first'} stage"
+        micro_batches = uniform_micro_batches(pack_micro_batches(batch, 2), 2)  # the stages exchange one shape
+        want, want_grads = _step(single, reference, micro_batches, None)
+        shards = [shard_micro_batch(mb, parallel, lookahead=config.mtp_depths, min_chunk=config.conv_kernel - 1)
+                  for mb in micro_batches]
+        (got, grads), rows = _by_blocks(model, lambda: _pipeline_step(model, objective, shards, parallel))
+        if last and not 0 < rows <= CHUNK:
+            yield f"{what}: a tensor over the vocabulary of {rows} rows (a block is {CHUNK})"
+        if last:
+            error = float((got - want).abs().max())
+            if not error <= TOLERANCE * max(1.0, float(want.abs().max())):
+                yield f"{what}: losses and metrics differ by {error:.3g}"
+        if not grads or ("lm_head.weight" in grads) != last or grads.keys() - want_grads.keys():
+            yield f"{what}: gradients of {sorted(grads)}"
+        for name in grads.keys() & want_grads.keys():
+            error = float((grads[name] - want_grads[name]).abs().max())
+            if not error <= TOLERANCE * max(1.0, float(want_grads[name].abs().max())):
+                yield f"{what}: {name}'s gradient differs by {error:.3g}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_rl_learner_under_pp_applies_the_last_stages_lm_head_by_blocks_as_one_process(world):
+    reported = differences(functools.partial(_check_pipeline, world=world), world)
+    assert not reported, reported
 
 
 @pytest.mark.timeout(300)

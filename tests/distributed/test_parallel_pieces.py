@@ -118,7 +118,7 @@ def test_compile_traces_every_layer_kind_in_fp32(small_config):
 
 def test_compiled_loss_is_the_models_loss(small_config, monkeypatch):
     """`train.compile`'s objective: the cross entropies compiled outside the model's forward, same loss, same
-    gradients; the pipeline's last stage computes the same loss from the logits (`loss_from_outputs`). Traced with
+    gradients; the pipeline's last stage computes the same loss from lm_head's inputs (`loss_from_outputs`). Traced with
     aot_eager (the fake-tensor pass a compile runs, without code generation)."""
     import functools
 
@@ -145,8 +145,8 @@ def test_compiled_loss_is_the_models_loss(small_config, monkeypatch):
     assert {k: v.tolist() for k, v in eager.expert_counts.items()} == \
         {k: v.tolist() for k, v in compiled.expert_counts.items()}
     with torch.no_grad():
-        out = model(ids)
-        last_stage = PretrainObjective().loss_from_outputs(model, (out.logits, *out.mtp_logits), (ids, labels))
+        out = model(ids, logits=False)
+        last_stage = PretrainObjective().loss_from_outputs(model, (out.hidden, *out.mtp_hidden), (ids, labels))
     assert abs(float(last_stage.loss) - float(eager.loss.detach())) <= 1e-6
 
 

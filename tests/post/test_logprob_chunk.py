@@ -1,7 +1,7 @@
 """The RL log-prob passes by blocks of rows (`logprob_chunk`, hybridtron.post.rl.objective.token_scores over
-ops.linear_logprobs), through lm_head's weight and through the model's logits (a pipeline's last stage, a quantized
-head), against the whole-logits path they replaced: GRPO's and MOPD's losses, metrics and gradients, the reference's
-and the teachers' scores; no [tokens, vocab] tensor beyond one block through the weight; the setting's checks."""
+ops.linear_logprobs), through lm_head's weight and through the model's logits (a quantized head), against the
+whole-logits path they replaced: GRPO's and MOPD's losses, metrics and gradients, the reference's and the teachers'
+scores; no [tokens, vocab] tensor beyond one block through the weight; the setting's checks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hybridtron.post.losses import group_advantages
 from hybridtron.post.mopd import MOPDConfig, MOPDObjective
 from hybridtron.post.reference import REFERENCE_SCORE, score_reference
 from hybridtron.post.rl.batches import pack_micro_batches
-from hybridtron.post.rl.objective import sampled_logprobs
+from hybridtron.post.rl.objective import HeadOutputs, sampled_logprobs
 from hybridtron.post.rl.rollout import Rollout, RolloutBatch
 from hybridtron.post.teachers import TEACHER_SCORE, TEACHER_TOPK_IDS, TEACHER_TOPK_LOGP, TeacherScoringRole
 
@@ -53,7 +53,7 @@ def _batch(config, domains, rewards, seed=0, top=0) -> RolloutBatch:
 
 def _step(model, objective, micro_batches, logits: bool):
     """(losses, metrics, gradients) of a step: through lm_head's weight, or (`logits`) from the model's logits as a
-    pipeline's last stage hands them over."""
+    quantized head's `HeadOutputs` hand them over."""
     model.zero_grad()
     objective.begin_step(micro_batches)
     losses, metrics = [], []
@@ -61,7 +61,7 @@ def _step(model, objective, micro_batches, logits: bool):
         if logits:
             replay = mb.expert_ids if objective.config.routing_replay else None
             out = model(mb.input_ids, expert_ids=replay, mtp=objective.mtp_depths > 0, counted=mb.counted)
-            result = objective.loss_from_outputs(model, (out.logits, *out.mtp_logits), mb)
+            result = objective.loss_from_outputs(model, HeadOutputs((out.logits, *out.mtp_logits)), mb)
         else:
             result = objective(model, mb)
         result.loss.backward()
@@ -71,9 +71,8 @@ def _step(model, objective, micro_batches, logits: bool):
 
 
 def _same_step(model, objective_with_chunk, micro_batches):
-    """The step by blocks of CHUNK rows, through lm_head's weight and through the logits (a pipeline's last stage,
-    a quantized head), equals the one on the whole logits (the path before `logprob_chunk`): losses, metrics and
-    gradients to 1e-6. (Not to the bit: a block's GEMMs have fewer rows than the whole micro-batch's, and BLAS may
+    """The step by blocks of CHUNK rows, through lm_head's weight and through the logits (a quantized head),
+    equals the one on the whole logits (the path before `logprob_chunk`): losses, metrics and gradients to 1e-6. (Not to the bit: a block's GEMMs have fewer rows than the whole micro-batch's, and BLAS may
     round a product of one or two rows differently; lm_head's gradient sums the rows block by block.
     tests/ops/test_linear_logprobs.py has where the bits agree.)"""
     whole = _step(model, objective_with_chunk(WHOLE), micro_batches, True)

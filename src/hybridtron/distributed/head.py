@@ -18,9 +18,11 @@ layout put on the module run as they do for its own forward:
                      rank's shard), in place of the TP forward that would gather the whole logits
     MainGradLinear   the weight through its `applied_weight` (the converted head of `train.grad_accum_dtype`: the
                      gradient accumulated in its `main_grad`, counted as one application)
+    PP               the last stage's lm_head (`pipeline.StageView`: the stage hands the loss lm_head's inputs),
+                     under FSDP or TP as above within the stage; its gradient from the loss's backward on that stage
 `blockwise_head(model)` is the lm_head `apply_head` can run, or None: a quantized head (QuantLinear: its GEMMs are
 the precision policy's emulation, which `op`'s plain GEMMs would not be), a biased one, and a pipeline stage
-without lm_head. Those callers take the model's logits instead.
+without lm_head. Those callers take the logits of the head's own forward instead.
 """
 
 from __future__ import annotations

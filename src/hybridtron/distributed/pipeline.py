@@ -11,7 +11,13 @@ A `StageView` per stage runs that stage's part of `HybridLM.forward`:
 
     first stage    ids -> embeddings -> its layers -> (hidden, embeddings)
     middle stages  (hidden, embeddings) -> its layers -> (hidden, embeddings)
-    last stage     ... -> norm_f -> lm_head (logits), and the MTP depths (their logits)
+    last stage     ... -> norm_f (the final hidden), and the MTP depths (their hidden): lm_head's inputs
+
+The last stage stops before lm_head, as `HybridLM.forward(logits=False)` does, and the loss on that stage applies
+the head (the stage model's `lm_head`) itself: the RL objectives by blocks of rows (`distributed.head.apply_head`),
+never building the [tokens, vocab] logits, pretraining's and SFT's as they do in one process. The head stays a
+submodule of the last view, so under FSDP that view is its root and its gradient is reduced by the loss's backward
+on that stage's ranks.
 
 The embeddings travel with the hidden state because the MTP block on the last stage reads them (token t + k's
 embedding at depth k). Under CP the first stage embeds the ids that follow each chunk as well (HybridLM's
@@ -100,7 +106,7 @@ class StageView(nn.Module):
         self.layers = nn.ModuleList(model.backbone.layers[i] for i in layers)
         if first:
             self.embeddings = model.backbone.embeddings
-        if last:
+        if last:  # lm_head, which the loss applies, stays under the view: under FSDP the stage's root completes it
             self.norm_f, self.lm_head, self.mtp = model.backbone.norm_f, model.lm_head, model.mtp
             self.mtp_routers = [name for name in model.routers() if name.startswith("mtp.")]
 
@@ -121,14 +127,14 @@ class StageView(nn.Module):
             # a fresh view: a stage's outputs must not be its inputs themselves
             return (hidden, embeddings.view_as(embeddings)) if self.carries_embeddings else hidden
         hidden = self.norm_f(hidden)
-        outputs = [self.lm_head(hidden)]
+        outputs = [hidden]
         if self.mtp is not None:  # as HybridLM.forward: depth k reads the embedding of token t + k
             previous, length = hidden, embeddings.shape[1] - self.lookahead
             for depth in range(1, self.config.mtp_num_depths + 1):
                 ahead = embeddings[:, depth:depth + length]
                 previous = self.mtp(previous, F.pad(ahead, (0, 0, 0, length - ahead.shape[1])), seq_idx=seq_idx)
                 self.pipeline.count(index, self.mtp_routers, depth)
-                outputs.append(self.lm_head(previous))
+                outputs.append(previous)
         return tuple(outputs)
 
 
@@ -206,16 +212,16 @@ class Pipeline:
     def _example(self, view: "StageView", ids_shape: tuple[int, int], lookahead: int, inputs: bool
                  ) -> tuple[torch.Tensor, ...]:
         """Meta tensors of a stage's inputs or outputs: ids (and the lookahead), (hidden, embeddings) between
-        stages (hidden sequence-sharded under TP), the logits of the head and of each MTP depth out of the last."""
+        stages (hidden sequence-sharded under TP), and out of the last lm_head's inputs: the final hidden and each MTP
+        depth's (sequence-sharded under TP too: the head gathers them)."""
         rows, length = ids_shape
         config, tp = self.model.config, self.parallel.layout.tp
         meta = dict(device="meta", dtype=torch.float32, requires_grad=True)  # activations carry gradients
         if inputs and view.first:
             return (torch.empty(rows, length + lookahead, device="meta", dtype=torch.long),)
-        if not inputs and view.last:
-            depths = config.mtp_depths
-            return tuple(torch.empty(rows, length, config.vocab_size, **meta) for _ in range(1 + depths))
         hidden = torch.empty(rows, length // tp, config.hidden_size, **meta)
+        if not inputs and view.last:
+            return tuple(torch.empty(hidden.shape, **meta) for _ in range(1 + config.mtp_depths))
         embeddings = torch.empty(rows, length + lookahead, config.hidden_size, **meta)
         return (hidden, embeddings) if view.carries_embeddings else (hidden,)
 
@@ -226,9 +232,9 @@ class Pipeline:
         return kind(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False)
 
     def step(self, micro_batches: list[MicroBatchInputs], loss_fn) -> dict[str, torch.Tensor]:
-        """Forward and backward of every micro-batch; `loss_fn(outputs, index)` runs on the last stage, `index` the
-        micro-batch's position in `micro_batches` (a [1] tensor). Returns this rank's expert counts per router,
-        summed over the micro-batches."""
+        """Forward and backward of every micro-batch; `loss_fn(outputs, index)` runs on the last stage, `outputs`
+        lm_head's inputs (the final hidden, then each MTP depth's) and `index` the micro-batch's position in
+        `micro_batches` (a [1] tensor). Returns this rank's expert counts per router, summed over the micro-batches."""
         first = micro_batches[0]
         shape = (first.input_ids.shape, first.lookahead)
         if any((mb.input_ids.shape, mb.lookahead) != shape for mb in micro_batches):
@@ -257,13 +263,14 @@ class Pipeline:
     @torch.no_grad()
     def lm_loss(self, input_ids: torch.Tensor, labels: torch.Tensor, sum_over_shares=None,
                 seq_idx: torch.Tensor | None = None) -> float:
-        """The next-token CE of one batch (no MTP), computed on the last stage and known to every rank. Under CP
-        (`sum_over_shares`: a sum over the cp group) the batch is a share: the CE over all the shares' targets.
-        `seq_idx`: the batch's document indices (a document mask), or None."""
+        """The next-token CE of one batch (no MTP), computed on the last stage (through its lm_head's logits) and
+        known to every rank. Under CP (`sum_over_shares`: a sum over the cp group) the batch is a share: the CE over
+        all the shares' targets. `seq_idx`: the batch's document indices (a document mask), or None."""
         def batch_loss(outputs, index):
+            logits = self.model.lm_head(outputs[0])
             if sum_over_shares is None:
-                return cross_entropy(outputs[0], labels)
-            ce_sum, count = sum_over_shares(cross_entropy_sum_and_count(outputs[0], labels))
+                return cross_entropy(logits, labels)
+            ce_sum, count = sum_over_shares(cross_entropy_sum_and_count(logits, labels))
             return ce_sum / count
 
         losses: list[torch.Tensor] = []

@@ -75,7 +75,7 @@ from hybridtron.post.reference import REFERENCE_SCORE, ReferenceScoringRole
 from hybridtron.post.rl.command import RolloutRunCommand
 from hybridtron.post.rl.config import RESUMABLE_ROLLOUT_FIELDS, RolloutConfig
 from hybridtron.post.rl.evaluation import HeldOutAccuracy
-from hybridtron.post.rl.objective import RolloutObjective
+from hybridtron.post.rl.objective import RolloutObjective, as_head_outputs
 from hybridtron.post.rl.roles import RoleSpec
 from hybridtron.post.rl.rollout import RolloutRole, load_env
 from hybridtron.train.config import SectionedConfig, TrainConfig
@@ -192,9 +192,10 @@ class GRPOObjective(RolloutObjective):
 
     def loss_from_outputs(self, model, outputs, mb, expert_counts=None):
         """The GRPO loss and metrics of a micro-batch from the learner's outputs (`forward`'s, or a pipeline's last
-        stage's (logits, *MTP logits); the expert counts are then the pipeline's)."""
+        stage's: lm_head's inputs, `as_head_outputs`; the expert counts are then the pipeline's)."""
         cfg, loss_cfg = self.config, self.loss_config
-        scored = self.scores(outputs, mb, entropy=True)  # the entropy has a gradient where entropy_coef uses it
+        head = as_head_outputs(model, outputs)
+        scored = self.scores(head, mb, entropy=True)  # the entropy has a gradient where entropy_coef uses it
         logp, entropy = scored.logp, scored.entropy
         mask, completion = mb.policy_mask, mb.completion_mask
         tokens, global_tokens = float(mask.sum()), self.counts[1]
@@ -237,7 +238,7 @@ class GRPOObjective(RolloutObjective):
                       if key not in engine_metrics},
                    **{key: value.float() * completion_share * scale for key, value in engine_metrics.items()},
                    "policy_tokens": torch.tensor(global_tokens / self.data_ranks, dtype=torch.float32)}
-        return self.objective_output(outputs, mb, policy_loss, metrics, ranges, self.counts[3:], expert_counts)
+        return self.objective_output(head, mb, policy_loss, metrics, ranges, self.counts[3:], expert_counts)
 
 
 # ------------------------------------------------------------------------------------------------ the command

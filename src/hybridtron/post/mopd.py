@@ -78,7 +78,7 @@ from hybridtron.post.rl.config import RESUMABLE_ROLLOUT_FIELDS, RolloutConfig
 from hybridtron.post.rl.engines.base import ENGINES
 from hybridtron.post.rl.engines.vllm import check_vllm_teacher
 from hybridtron.post.rl.evaluation import DomainAccuracy
-from hybridtron.post.rl.objective import RolloutObjective
+from hybridtron.post.rl.objective import RolloutObjective, as_head_outputs
 from hybridtron.post.rl.roles import RoleSpec
 from hybridtron.post.sft import COMMAND as SFT_COMMAND
 from hybridtron.post.sft import SFT_TRAIN, SFTConfig, SFTRunConfig
@@ -189,6 +189,10 @@ class MOPDConfig(RolloutConfig):
             raise ValueError(f"mopd.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not self.envs:
             raise ValueError("mopd.envs must name at least one environment")
+        if self.domain_weights and len(self.domain_weights) != len(self.envs):  # before the run, not at its rollouts
+            raise ValueError(f"mopd.domain_weights has {len(self.domain_weights)} weights for {len(self.envs)} "
+                             f"environments ({', '.join(self.envs)}); give one per environment, or none for equal "
+                             "shares")
         if self.prompts_per_step < len(self.envs):
             raise ValueError(f"mopd.prompts_per_step ({self.prompts_per_step}) must be at least the number of "
                              f"environments ({len(self.envs)}: {', '.join(self.envs)}): every domain in every step")
@@ -261,8 +265,8 @@ class MOPDObjective(RolloutObjective):
 
     def loss_from_outputs(self, model, outputs, mb, expert_counts=None):
         """The MOPD loss and metrics of a micro-batch from the student's outputs (`__call__` runs the forward
-        first; a pipeline's last stage calls it with (logits, *MTP logits), and its expert counts are then the
-        pipeline's)."""
+        first; a pipeline's last stage calls it with lm_head's inputs, `as_head_outputs`, and its expert counts are
+        then the pipeline's)."""
         loss_cfg = self.loss_config
         if TEACHER_SCORE not in mb.scores:
             raise ValueError("MOPD micro-batch without teacher log-probs: the teacher-scoring role did not run")
@@ -270,7 +274,8 @@ class MOPDObjective(RolloutObjective):
             raise ValueError(f"mopd.kl_top_k={loss_cfg.kl_top_k}, but the teacher-scoring role sent no top-K tokens "
                              "(it was built with top_k=0)")
         # the student's log-probs of the teacher's top K (with kl_top_k): the full-vocabulary ones, unfiltered
-        scored = self.scores(outputs, mb, entropy=True,
+        head = as_head_outputs(model, outputs)
+        scored = self.scores(head, mb, entropy=True,
                              given_ids=mb.scores[TEACHER_TOPK_IDS] if loss_cfg.kl_top_k else None)
         logp = scored.logp
         mask, teacher = mb.completion_mask, mb.scores[TEACHER_SCORE]
@@ -303,7 +308,7 @@ class MOPDObjective(RolloutObjective):
                 value = torch.where(domain_mask, per_token, 0.0).sum() / domain_tokens if domain_tokens else \
                     torch.zeros(())
                 metrics[f"{key}/{domain}"] = value * scale
-        return self.objective_output(outputs, mb, policy_loss, metrics, ranges, self.counts[2 + len(self.domains):],
+        return self.objective_output(head, mb, policy_loss, metrics, ranges, self.counts[2 + len(self.domains):],
                                      expert_counts)
 
 

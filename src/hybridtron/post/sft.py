@@ -169,20 +169,21 @@ class SFTObjective:
 
     def __call__(self, model, micro_batch):
         batch = as_token_batch(micro_batch)  # under CP a share: its labels run on past its ids
-        # logits, the MTP depths' logits, expert counts (each conversation alone in its row under the document
+        # lm_head's inputs, the MTP depths', expert counts (each conversation alone in its row under the document
         # mask: seq_idx); the loss is ours
-        out = model(batch.input_ids, **batch.model_inputs())
-        result = self.loss_from_outputs(model, (out.logits, *out.mtp_logits), batch)
+        out = model(batch.input_ids, logits=False, **batch.model_inputs())
+        result = self.loss_from_outputs(model, (out.hidden, *out.mtp_hidden), batch)
         result.tokens, result.expert_counts = batch.input_ids.numel(), router_counts(model, out)
         return result
 
     stage_inputs = staticmethod(token_stage_inputs)  # under PP: what the stages read of a micro-batch
 
     def loss_from_outputs(self, model, outputs, micro_batch):
-        """The loss of one micro-batch from its logits, `outputs` = (logits, *each MTP depth's logits) (also what
-        a pipeline's last stage calls; the expert counts are then the pipeline's to collect)."""
+        """The loss of one micro-batch from lm_head's inputs, `outputs` = (the final hidden, *each MTP depth's),
+        through their logits (`model`'s lm_head; also what a pipeline's last stage calls, `model` the stage's; the
+        expert counts are then the pipeline's to collect)."""
         labels_BT = as_token_batch(micro_batch).labels
-        logits, *mtp_logits = outputs
+        logits, *mtp_logits = [model.lm_head(state) for state in outputs]
         length = logits.shape[1]  # under CP `labels_BT` runs past the share (window_targets)
         targets = window_targets(labels_BT, 0, length)
         lm_loss = sft_loss(logits, targets, self.counts[0])

@@ -60,7 +60,8 @@ class Objective(Protocol):
 
     # Under pipeline parallelism the trainer runs the model through the schedule instead of calling the objective:
     #   stage_inputs(micro_batch) -> MicroBatchInputs      what the stages read (ids, routing replay)
-    #   loss_from_outputs(model, outputs, micro_batch)     the loss on the last stage, from (logits, *MTP logits)
+    #   loss_from_outputs(model, outputs, micro_batch)     the loss on the last stage, from lm_head's inputs
+    #                                                      (the final hidden, *each MTP depth's), `model` the stage's
 
 
 class BatchSource:
@@ -166,31 +167,28 @@ class PretrainObjective:
 
     def __call__(self, model, micro_batch):
         batch = as_token_batch(micro_batch)
-        weight = local_head_weight(model) if self.fused_head else None
-        if weight is None:
-            out = model(batch.input_ids, **batch.model_inputs())
-            return self.loss_from_outputs(model, (out.logits, *out.mtp_logits), batch, router_counts(model, out))
         out = model(batch.input_ids, logits=False, **batch.model_inputs())
-
-        def head_cross_entropy(hidden, targets):
-            return linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX)
-
-        lm_loss, *mtp_losses = self._losses(head_cross_entropy, [out.hidden, *out.mtp_hidden], batch.labels)
-        loss, metrics, depth_losses, shares = self._combine(model, lm_loss, mtp_losses, batch.labels,
-                                                            batch.input_ids.shape[1])
-        return ObjectiveOutput(loss / self.micro_batches, metrics, batch.input_ids.numel(),
-                               router_counts(model, out), depth_losses, shares)
+        return self.loss_from_outputs(model, (out.hidden, *out.mtp_hidden), batch, router_counts(model, out))
 
     stage_inputs = staticmethod(token_stage_inputs)  # under PP: what the stages read
 
     def loss_from_outputs(self, model, outputs, micro_batch, expert_counts=None):
-        """One micro-batch's loss from its logits, `outputs` = (logits, *each MTP depth's logits), as a pipeline's
-        last stage computes them: the loss `HybridLM.forward` computes, shared out as `__call__` does. Under a
-        pipeline the expert counts are the pipeline's to collect."""
-        labels = as_token_batch(micro_batch).labels
-        lm_loss, *mtp_losses = self._losses(self.cross_entropy, outputs, labels)
-        loss, metrics, depth_losses, shares = self._combine(model, lm_loss, mtp_losses, labels, outputs[0].shape[1])
-        return ObjectiveOutput(loss / self.micro_batches, metrics, outputs[0].shape[:2].numel(), expert_counts or {},
+        """One micro-batch's loss from lm_head's inputs, `outputs` = (the final hidden, *each MTP depth's), as the
+        forward stopped before lm_head (`__call__`) or a pipeline's last stage (`model` the stage's) hands them: the
+        loss `HybridLM.forward` computes, lm_head applied by blocks of tokens where its weight is local, else through
+        the logits of its own forward, on every output (under FSDP or TP its hooks run on every rank, a target or
+        not). Under a pipeline the expert counts are the pipeline's to collect."""
+        batch = as_token_batch(micro_batch)
+        weight = local_head_weight(model) if self.fused_head else None
+        if weight is None:
+            mean_loss, outputs = self.cross_entropy, [model.lm_head(state) for state in outputs]
+        else:
+            def mean_loss(hidden, targets):
+                return linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), IGNORE_INDEX)
+        lm_loss, *mtp_losses = self._losses(mean_loss, outputs, batch.labels)
+        loss, metrics, depth_losses, shares = self._combine(model, lm_loss, mtp_losses, batch.labels,
+                                                            batch.input_ids.shape[1])
+        return ObjectiveOutput(loss / self.micro_batches, metrics, batch.input_ids.numel(), expert_counts or {},
                                depth_losses, shares)
 
     @staticmethod

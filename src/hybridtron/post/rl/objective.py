@@ -11,10 +11,11 @@ block's logits in the backward: no [tokens, vocab] tensor exists beyond one bloc
 Under torchrun too: the op runs as a call of the lm_head module (`distributed.head.apply_head`), so FSDP2 gathers
 the weight and reduce-scatters its gradient as for the head's own forward, a TP head is applied vocabulary-parallel
 (each block's logits gathered over the TP ranks, one block at a time), and a converted head (`MainGradLinear`)
-accumulates its gradient in its main_grad (in `train.grad_accum_dtype`). Only where lm_head is not a plain linear
-layer (a quantized head: `distributed.head.blockwise_head`) and on a pipeline's last stage are the model's
-[tokens, vocab] logits taken as they come, as pretraining's loss takes them there, and the same per-row function
-runs on blocks of them: beside the logits and their gradient, no other such tensor.
+accumulates its gradient in its main_grad (in `train.grad_accum_dtype`); under PP the last stage hands the loss
+lm_head's inputs too, and the loss applies that stage's head the same way (`as_head_outputs`). Only where lm_head
+is not a plain linear layer (a quantized head: `distributed.head.blockwise_head`) are the model's [tokens, vocab]
+logits taken as they come, and the same per-row function runs on blocks of them: beside the logits and their
+gradient, no other such tensor.
 """
 
 from __future__ import annotations
@@ -62,15 +63,21 @@ def sampled_logprobs(logits_BTV, tokens_BT, temperature: float, top_k: int = 0, 
 class HeadOutputs:
     """What a forward hands the log-prob passes: lm_head's inputs (the backbone's, then each MTP depth's) with the
     lm_head module they apply (`lm_head`, a `distributed.head.blockwise_head`), or, `lm_head` None, their logits
-    (a pipeline's last stage; a quantized lm_head)."""
+    (a quantized lm_head)."""
 
     states: tuple[torch.Tensor, ...]
     lm_head: torch.nn.Module | None = None
 
 
-def as_head_outputs(outputs) -> HeadOutputs:
-    """`HeadOutputs` as they are, or a pipeline's last stage's (logits, *MTP logits)."""
-    return outputs if isinstance(outputs, HeadOutputs) else HeadOutputs(tuple(outputs))
+def as_head_outputs(model, outputs) -> HeadOutputs:
+    """`HeadOutputs` as they are, or of a pipeline's last stage's outputs, lm_head's inputs (the final hidden, then
+    each MTP depth's): with `model`'s (the stage's) lm_head where the passes can apply it (`blockwise_head`), else
+    their logits through it."""
+    if isinstance(outputs, HeadOutputs):
+        return outputs
+    head = blockwise_head(model)
+    return HeadOutputs(tuple(outputs), head) if head is not None else \
+        HeadOutputs(tuple(model.lm_head(state) for state in outputs))
 
 
 def head_forward(model, input_ids, **inputs):
@@ -157,8 +164,8 @@ class RolloutObjective:
     normalised by (`begin_step`: `row_counts(mb)` of each micro-batch, then each MTP depth's targets, summed over the
     step and, under torchrun, over the data-parallel ranks). `data_ranks`: the metrics every rank holds whole are
     divided by it, since the trainer sums the ranks' metrics. A micro-batch's loss is `loss_from_outputs` of the
-    learner's forward with routing replay (`__call__`), or under PP of the last stage's outputs (`stage_inputs`:
-    what the stages read)."""
+    learner's forward with routing replay (`__call__`), or under PP of the last stage's outputs, lm_head's inputs
+    (`as_head_outputs`; `stage_inputs`: what the stages read)."""
 
     def __init__(self, config, mtp_depths: int, parallel: Parallel | None = None):
         self.config, self.loss_config = config, config.loss_config()
@@ -197,18 +204,17 @@ class RolloutObjective:
                                  following_ids=mb.following_ids, counted=mb.counted)
         return head, rollout_router_counts(model, out)
 
-    def scores(self, outputs, mb, **wanted) -> TokenScores:
-        """`token_scores` of the labels of `mb` from the learner's outputs (`forward`'s `HeadOutputs`, or a pipeline's
-        (logits, *MTP logits)) at the rollouts' temperature and filter; `wanted`: entropy, given_ids."""
+    def scores(self, head: HeadOutputs, mb, **wanted) -> TokenScores:
+        """`token_scores` of the labels of `mb` from the learner's `HeadOutputs` (`forward`'s, `as_head_outputs`'s)
+        at the rollouts' temperature and filter; `wanted`: entropy, given_ids."""
         cfg = self.config
-        return token_scores(as_head_outputs(outputs), mb.labels, cfg.temperature, cfg.top_k, cfg.top_p,
+        return token_scores(head, mb.labels, cfg.temperature, cfg.top_k, cfg.top_p,
                             chunk=cfg.logprob_chunk, **wanted)
 
-    def mtp_losses(self, outputs, mb, depth_counts) -> list[torch.Tensor]:
+    def mtp_losses(self, head: HeadOutputs, mb, depth_counts) -> list[torch.Tensor]:
         """Each trained MTP depth's masked CE on the completions, its share of the step's token mean over
         `depth_counts` (depth d's targets in the step, at index d - 1; `post.sft.sft_loss`): through lm_head a block
         of rows at a time where the module is given (`head_cross_entropy`), else on the depth's logits."""
-        head = as_head_outputs(outputs)
         losses = []
         for depth, (state, count) in enumerate(zip(head.states[1:1 + self.mtp_depths], depth_counts), start=1):
             targets = mb.mtp_targets(depth)
@@ -237,13 +243,13 @@ class RolloutObjective:
         outputs, counts = self.forward(model, mb)
         return self.loss_from_outputs(model, outputs, mb, counts)
 
-    def objective_output(self, outputs, mb, policy_loss, metrics: dict, ranges: dict, depth_counts,
+    def objective_output(self, head: HeadOutputs, mb, policy_loss, metrics: dict, ranges: dict, depth_counts,
                          expert_counts=None) -> ObjectiveOutput:
         """A micro-batch's `ObjectiveOutput` from its policy loss: the loss adds the mean of the MTP depths' losses
         (`mtp_losses` over `depth_counts`) weighted by `mtp_loss_weight`; the metrics are the loss's and the policy
         loss's, then `metrics` (each already the micro-batch's share of the step's value), then the batch's rollout
         statistics; `ranges`: the step's extremes (`ObjectiveOutput.ranges`)."""
-        mtp_losses = self.mtp_losses(outputs, mb, depth_counts)
+        mtp_losses = self.mtp_losses(head, mb, depth_counts)
         loss = policy_loss
         if mtp_losses:
             loss = loss + self.config.mtp_loss_weight * torch.stack(mtp_losses).mean()
