@@ -45,17 +45,22 @@ def test_micro_pipeline_runs_every_stage_and_writes_the_table(micro_run):
         record = json.loads((micro_run / name / STAGE_FILE).read_text())
         assert record["fingerprint"] and record["seconds"] > 0
     for row in result["stages"]:
-        for key in ("math_pass_at_1", "code_pass_rate", "code_pass_at_1", "val_loss", "acceptance_length"):
+        for key in ("math_pass_at_1", "code_pass_rate", "code_pass_at_1", "terminal_pass_at_1", "val_loss",
+                    "acceptance_length"):
             assert isinstance(row[key], float), (row["stage"], key)
         assert 1.0 <= row["acceptance_length"] <= 1 + 2  # draft length 2 in the micro preset
     assert set(result["recovery"]) == {"mopd_1", "mopd_2", "mopd_no_warmup"}
+    # the ablation without warmup measures every teacher's domain, the agentic one's included
+    assert all(set(values) == {"math", "code", "terminal"} for values in result["recovery"].values())
     assert set(result["goals"]) == {"rlvr_raises_math", "mopd_recovers_half", "warmup_helps",
                                     "mtp_boost_raises_acceptance"}
     # each stage built on the one before it: the MOPD student of iteration 2 is iteration 1's model
     mopd_2 = json.loads((micro_run / "mopd_2" / "run_config.json").read_text())
     assert mopd_2["student"] == str(micro_run / "mopd_1" / "hf")
     assert mopd_2["teachers"] == {"math": str(micro_run / "math_teacher" / "hf"),
-                                  "code": str(micro_run / "code_teacher" / "hf")}
+                                  "code": str(micro_run / "code_teacher" / "hf"),
+                                  "terminal": str(micro_run / "agentic_teacher" / "hf")}
+    assert mopd_2["mopd"]["envs"] == ["math", "code", "terminal"]  # each teacher's domain among the prompts
     assert mopd_2["mopd"]["warmup_steps"] == 0  # the warmup is its own stage
     no_warmup = json.loads((micro_run / "mopd_no_warmup" / "run_config.json").read_text())
     assert no_warmup["student"] == str(micro_run / "rlvr" / "hf")
@@ -153,6 +158,9 @@ def test_a_change_to_a_finished_stage_is_refused_before_the_stages_before_it_run
     (["--set", "rlvr.steps=many"], "rlvr.steps: expected int"),
     (["--set", "sft.enabled=false"], "the stage sft cannot be left out"),
     (["--set", "math_teacher.enabled=false"], "math_teacher.enabled = false: the stage mopd_1 builds on its model"),
+    (["--set", "agentic_teacher.enabled=false"], "agentic_teacher.enabled = false: the stage mopd_1 builds on its"),
+    (["--set", "mopd_warmup.terminal_examples=0"], "mopd_warmup.terminal_examples must be >= 1"),
+    (["--set", "mopd_1.mopd.domain_weights=0.75,0.25"], "mopd.domain_weights has 2 weights for 3 environments"),
     (["--set", "pipeline.model_preset=huge"], "pipeline.model_preset: unknown preset 'huge'"),
     (["--set", "pipeline.levels=0"], "pipeline.levels must be positive difficulty levels"),
     (["--set", "eval.math_tasks=0"], "eval.math_tasks must be >= 1"),
@@ -226,9 +234,10 @@ def test_the_warmup_data_are_each_teachers_verified_answers(micro_run, tmp_path,
     try j of a task is the same sample whatever k is. A teacher that solves nothing is an error naming the stage's
     setting and the teacher, before the stage runs."""
     config = apply_changes(preset_config("micro"), {"mopd_warmup": {"teacher_samples": 3}}, "test")
-    math_draw, code_draw = data_draws("mopd_warmup", config)
+    math_draw, code_draw, terminal_draw = data_draws("mopd_warmup", config)
     assert (math_draw.teacher, math_draw.samples, code_draw.teacher) == ("math_teacher", 3, "code_teacher")
-    assert set(upstream("mopd_warmup", config)) == {"rlvr", "math_teacher", "code_teacher"}
+    assert (terminal_draw.domain, terminal_draw.teacher) == ("terminal", "agentic_teacher")
+    assert set(upstream("mopd_warmup", config)) == {"rlvr", "math_teacher", "code_teacher", "agentic_teacher"}
     teacher = micro_run / "math_teacher" / "hf"
 
     def verified(env, tries):  # the warmup's data (hybridtron.post.mopd_warmup), as the stage draws its math part
@@ -270,11 +279,12 @@ def test_the_warmup_stage_writes_its_teachers_answers_before_it_runs(tmp_path, m
 
     monkeypatch.setattr(stage_module, "warmup_conversations", answered)
     lines = []
-    assert write_stage_data("mopd_warmup", config, tmp_path, lines.append) == 2
+    assert write_stage_data("mopd_warmup", config, tmp_path, lines.append) == 3
     assert asked == [(str(tmp_path / "math_teacher" / "hf"), "math", 20, "verified", 2),
-                     (str(tmp_path / "code_teacher" / "hf"), "code", 20, "verified", 2)]
+                     (str(tmp_path / "code_teacher" / "hf"), "code", 20, "verified", 2),
+                     (str(tmp_path / "agentic_teacher" / "hf"), "terminal", 2, "verified", 2)]
     rows = [json.loads(line) for line in (tmp_path / "mopd_warmup" / DATA_FILE).read_text().splitlines()]
-    assert [row["domain"] for row in rows] == ["math", "code"]
+    assert [row["domain"] for row in rows] == ["math", "code", "terminal"]
     assert lines[0] == "[mopd_warmup] math_teacher: 1 of 20 math tasks solved in 2 tries each"
     assert not list((tmp_path / "mopd_warmup").glob("*.partial"))
 

@@ -9,7 +9,13 @@ The data (`warmup_conversations`), `n_d` training tasks of each domain d:
   cut at the length cap is kept as it stands);
 - "verified": the first of `tries` teacher answers the environment scores 1 (rejection sampling; a task the
   teacher never solves is left out).
-The training is an ordinary `hybridtron sft` run of those conversations (hybridtron.post.sft).
+In an environment with tools (`terminal`, `math-python`) the worked solutions are its expert trajectories, each
+prefixed with its outcome (hybridtron.envs.agentic_sft), and a teacher's answer is its whole trajectory through the
+environment's turn loop (`hybridtron.post.teachers.teacher_trajectories`: `max_tokens` a turn, the teacher's context
+in all), the tool responses the real ones: the report's warmup "is most pronounced in agentic domains", where the
+student's own multi-turn rollouts stray furthest from the teacher's.
+The training is an ordinary `hybridtron sft` run of those conversations (hybridtron.post.sft): a conversation with
+tools is rendered with them, and its loss is on the assistant turns alone (tool responses and prompts masked).
 """
 
 from __future__ import annotations

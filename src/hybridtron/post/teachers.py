@@ -19,7 +19,8 @@ a filtered teacher would give -inf to any token outside its nucleus. They are co
 through lm_head (`hybridtron.post.rl.objective.token_scores`), never as [tokens, vocab] logits.
 
 - `teacher_answers`: a teacher's own answers to training tasks, the data of a warmup on the teacher's data (the
-  mopd command's `mopd.warmup_data = "teacher"`, the pipeline's `[mopd_warmup] teacher_samples`).
+  mopd command's `mopd.warmup_data = "teacher"`, the pipeline's `[mopd_warmup] teacher_samples`); in a tool
+  environment each answer is the teacher's whole trajectory through the environment's turn loop.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ import torch
 from hybridtron.checkpoint import load_pretrained
 from hybridtron.data.chat import load_chat_tokenizer
 from hybridtron.eval.tasks import evaluate_env
+from hybridtron.infer.engine import HybridEngine
+from hybridtron.infer.sampling import SamplingParams
+from hybridtron.post.agentic import engine_generate, run_episodes
 from hybridtron.post.rl.batches import rollout_rows
 from hybridtron.post.rl.config import LOGPROB_CHUNK
 from hybridtron.post.rl.engines.vllm import VLLMTeacher
@@ -45,24 +49,53 @@ def teacher_answers(teacher_dir: str | Path, env, tasks, *, temperature: float, 
     """Conversations of `tasks` (`env`'s) whose assistant turn the teacher checkpoint `teacher_dir` wrote, sampled
     at `temperature`: its first try at each task or, `verified`, the first of its `tries` that `env` scores 1
     (rejection sampling), a task it never solves left out (a ValueError if it solves none). A completion cut at
-    `max_tokens` stands as it is."""
+    `max_tokens` stands as it is. In an environment with tools an answer is a trajectory (`teacher_trajectories`),
+    its conversation carrying the tools (SFT renders them and trains on the assistant turns alone)."""
     tasks = list(tasks)
     if not tasks:
         return []
     teacher = load_pretrained(teacher_dir, dtype=torch.float32).eval()
     tokenizer = load_chat_tokenizer(teacher_dir, vocab_size=teacher.config.vocab_size)
-    scored = evaluate_env(teacher, tokenizer, env, tasks * (tries if verified else 1), max_tokens=max_tokens,
-                          batch_size=batch_size, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          enable_thinking=enable_thinking)
-    answers: dict[int, str] = {}
-    for index, (completion, reward) in enumerate(zip(scored.completions, scored.rewards)):
+    asked = tasks * (tries if verified else 1)
+    if env.tools:
+        samples = teacher_trajectories(teacher, tokenizer, env, asked, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, max_tokens=max_tokens, seed=seed, enable_thinking=enable_thinking,
+                                       batch_size=batch_size)
+    else:
+        scored = evaluate_env(teacher, tokenizer, env, asked, max_tokens=max_tokens, batch_size=batch_size,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              enable_thinking=enable_thinking)
+        samples = [({"messages": env.prompt_messages(task) + [{"role": "assistant", "content": completion}]}, reward)
+                   for task, completion, reward in zip(asked, scored.completions, scored.rewards)]
+    answers: dict[int, dict] = {}
+    for index, (example, reward) in enumerate(samples):
         if not verified or reward == 1.0:
-            answers.setdefault(index % len(tasks), completion)
+            answers.setdefault(index % len(tasks), example)
     if not answers:
         raise ValueError(f"the teacher {teacher_dir} solved none of {len(tasks)} {env.domain} training tasks in "
                          f"{tries} tries each")
-    return [{"messages": env.prompt_messages(tasks[i]) + [{"role": "assistant", "content": answers[i]}],
-             "domain": env.domain} for i in sorted(answers)]
+    return [{**answers[i], "domain": env.domain} for i in sorted(answers)]
+
+
+def teacher_trajectories(teacher, tokenizer, env, tasks, *, temperature: float, top_k: int, top_p: float,
+                         max_tokens: int, seed: int, enable_thinking: bool | None,
+                         batch_size: int) -> list[tuple[dict, float]]:
+    """(conversation, reward) of each task of the tool environment `env`: the teacher's trajectory through its turn
+    loop (`hybridtron.post.agentic.run_episodes`: each turn up to `max_tokens`, the whole within the teacher's
+    context), `batch_size` at a time; the conversation's assistant turns are the teacher's text, its `tool`
+    messages the real responses, and it carries `env.tools`."""
+    generate = engine_generate(HybridEngine.from_model(teacher, tokenizer, speculative=False))
+    samples = []
+    for start in range(0, len(tasks), batch_size):
+        # each batch its own noise: a task asked again in a later batch at the same place is another sample
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
+                                seed=seed + start)
+        for trajectory in run_episodes(generate, tokenizer, env, tasks[start:start + batch_size], params,
+                                       token_budget=teacher.config.max_position_embeddings,
+                                       enable_thinking=enable_thinking):
+            messages = trajectory.conversation(env.prompt_messages(trajectory.task))
+            samples.append(({"messages": messages, "tools": list(env.tools)}, trajectory.reward))
+    return samples
 
 
 TEACHER_SCORE = "teacher"  # the name of the teacher's per-token log-probs in Rollout.scores

@@ -32,8 +32,9 @@ class StageConfig:
 class PipelineSection:
     """`[pipeline]`: the pipeline preset the rest of the configuration was resolved from (a file's values are
     changes to it), the model preset pretraining starts from (or `base_model`, an HF checkpoint with tokenizer
-    files that replaces the pretrain stage), torch threads of every stage, and the difficulty levels of the math and
-    code tasks every stage trains and is evaluated on."""
+    files that replaces the pretrain stage), torch threads of every stage, and the levels of the tasks every stage
+    trains and is evaluated on: the math and code difficulty levels, and the terminal environment's task kinds (1:
+    count the files with errors, 2: the function called most, ...: hybridtron.envs.terminal)."""
 
     preset: str = "tiny"  # tiny or micro: PRESET_SECTIONS, and each stage's `presets`
     model_preset: str = "tiny"
@@ -50,6 +51,8 @@ class EvalConfig:
     code_tasks: int = 18  # every test-split code task of levels 1-2 (the code environment has 18 of them, 268 train)
     max_tokens: int = 80  # math completion cap (a column-style trace is up to 62 tokens)
     code_max_tokens: int = 96
+    agentic_tasks: int = 50  # held-out terminal tasks, each a trajectory through the turn loop with the bash tool
+    agentic_max_tokens: int = 128  # a terminal turn's cap (a bash call is 35-101 tokens); the trajectory's: the context
     batch_size: int = 50
     val_conversations: int = 36  # held-out math + code tasks (half each) whose reference turns the loss is on
     acceptance_prompts: int = 32  # evaluation prompts (half math, half code) decoded speculatively (8 were noise)
@@ -98,7 +101,8 @@ def setting_text(value) -> str:
 PRESET_SECTIONS = {
     "tiny": (PipelineSection(threads=2), EvalConfig()),
     "micro": (PipelineSection(levels=(1,)),
-              EvalConfig(math_tasks=4, code_tasks=2, max_tokens=8, code_max_tokens=8, batch_size=4,
+              EvalConfig(math_tasks=4, code_tasks=2, agentic_tasks=2, max_tokens=8, code_max_tokens=8,
+                         agentic_max_tokens=8, batch_size=4,
                          val_conversations=4, acceptance_prompts=2, acceptance_tokens=6, draft_length=2)),
 }
 

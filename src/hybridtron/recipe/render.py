@@ -2,8 +2,9 @@
 (`summarize`, `format_table`: what BENCHMARKS.md records), and the page `pipeline.html` (the table, a chart of the
 stage metrics, and each stage's training curves drawn by hybridtron.train.report).
 
-Recovery, as in the report's Table 5: (MOPD - RLVR) / (teacher - RLVR) per domain, on math pass@1 and on the code
-pass rate (undefined where the teacher is not better than the student)."""
+Recovery, as in the report's Table 5: (MOPD - RLVR) / (teacher - RLVR) per domain, on math pass@1, on the code
+pass rate and on terminal pass@1 (the agentic teacher's; undefined where the teacher is not better than the
+student)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import html
 from pathlib import Path
 
 from hybridtron.recipe.config import PipelineConfig
-from hybridtron.recipe.stage import CODE_DOMAIN, MATH_DOMAIN, resolve
+from hybridtron.recipe.stage import AGENTIC_DOMAIN, CODE_DOMAIN, MATH_DOMAIN, resolve
 from hybridtron.recipe.stages import EVAL_FILE, GOALS, STAGE_FILE, active_stages, enabled_stages, read_json
 from hybridtron.train import report
+
+# each domain's metric: what its recovery is measured on
+METRICS = {MATH_DOMAIN: "math_pass_at_1", CODE_DOMAIN: "code_pass_rate", AGENTIC_DOMAIN: f"{AGENTIC_DOMAIN}_pass_at_1"}
+
 
 def recovery(student: float, rlvr: float, teacher: float) -> float | None:
     """(MOPD - RLVR) / (teacher - RLVR): the share of the teacher's lead over the RLVR student that distillation
@@ -33,7 +38,6 @@ def summarize(config: PipelineConfig, out: Path) -> dict:
         rows.append({"stage": stage.name, "what": stage.what, "train_seconds": record["seconds"],
                      **{k: v for k, v in evaluation.items() if k != "fingerprint"}})
     by_stage = {row["stage"]: row for row in rows}
-    metric = {MATH_DOMAIN: "math_pass_at_1", CODE_DOMAIN: "code_pass_rate"}
     recoveries = {}
     for stage in enabled_stages(config):
         measured = stage.recovery
@@ -43,7 +47,8 @@ def summarize(config: PipelineConfig, out: Path) -> dict:
         teachers = {domain: resolve(source, config).name for domain, source in measured.teachers.items()}
         recoveries[stage.name] = {domain: recovery(by_stage[stage.name][key], baseline[key],
                                                    by_stage[teachers[domain]][key])
-                                  for domain, key in metric.items() if teachers[domain] in by_stage}
+                                  for domain, key in METRICS.items()
+                                  if domain in teachers and teachers[domain] in by_stage}
     goals = {goal.name: checked for goal in GOALS if (checked := goal.check(by_stage, recoveries)) is not None}
     missing = [name for name in active_stages(config) if name not in by_stage]
     total = sum(row["train_seconds"] + row["seconds"] for row in rows)
@@ -59,18 +64,19 @@ def _cell(value, percent=False) -> str:
 
 def format_table(result: dict) -> str:
     """The stage table as Markdown (what BENCHMARKS.md records), then the recovery and the goals."""
-    lines = ["| stage | math pass@1 | code pass rate | code pass@1 | val loss (math / code) | MTP acceptance | train s "
-             "| eval s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| stage | math pass@1 | code pass rate | code pass@1 | {AGENTIC_DOMAIN} pass@1 | val loss (math / code) "
+             "| MTP acceptance | train s | eval s |", "|---|---|---|---|---|---|---|---|---|"]
     for row in result["stages"]:
         by_domain = f" ({row['math_val_loss']:.2f} / {row['code_val_loss']:.2f})" if "code_val_loss" in row else ""
         lines.append(f"| {row['stage']} | {_cell(row['math_pass_at_1'], True)} | {_cell(row['code_pass_rate'], True)} "
-                     f"| {_cell(row['code_pass_at_1'], True)} | {row['val_loss']:.3f}{by_domain} "
+                     f"| {_cell(row['code_pass_at_1'], True)} | {_cell(row[METRICS[AGENTIC_DOMAIN]], True)} "
+                     f"| {row['val_loss']:.3f}{by_domain} "
                      f"| {row['acceptance_length']:.2f} | {row['train_seconds']:.0f} | {row['seconds']:.0f} |")
     if result["recovery"]:
-        lines += ["", "| recovery (MOPD - RLVR) / (teacher - RLVR) | math | code |", "|---|---|---|"]
+        lines += ["", f"| recovery (MOPD - RLVR) / (teacher - RLVR) | {' | '.join(METRICS)} |",
+                  "|---" * (len(METRICS) + 1) + "|"]
         for name, values in result["recovery"].items():
-            math, code = _cell(values.get(MATH_DOMAIN), True), _cell(values.get(CODE_DOMAIN), True)
-            lines.append(f"| {name} | {math} | {code} |")
+            lines.append(f"| {name} | {' | '.join(_cell(values.get(domain), True) for domain in METRICS)} |")
     if result["goals"]:
         lines.append("")
         for goal, values in result["goals"].items():
@@ -140,10 +146,11 @@ def _stage_chart(result: dict) -> str:
 
     names = [row["stage"] for row in result["stages"]]
     figure, (scores, acceptance) = plt.subplots(1, 2, figsize=(12, 3.6), dpi=90)
-    width = 0.4
-    for offset, (key, label) in enumerate((("math_pass_at_1", "math pass@1"), ("code_pass_rate", "code pass rate"))):
-        scores.bar([i + (offset - 0.5) * width for i in range(len(names))], [row[key] for row in result["stages"]],
-                   width, label=label)
+    bars = [(key, key.replace("_pass_at_1", " pass@1").replace("_pass_rate", " pass rate")) for key in METRICS.values()]
+    width = 0.8 / len(bars)
+    for offset, (key, label) in enumerate(bars):
+        scores.bar([i + (offset - (len(bars) - 1) / 2) * width for i in range(len(names))],
+                   [row[key] for row in result["stages"]], width, label=label)
     scores.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
     scores.legend(fontsize=8)
     scores.set_title("held-out accuracy", fontsize=9)

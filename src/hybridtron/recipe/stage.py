@@ -28,6 +28,9 @@ DATA_FILE = "stage_data.jsonl"  # the conversations of a stage whose writer make
 BOOST_PROMPTS = "boost_prompts.jsonl"  # MTP boosting's chat prompts (training-split tasks), written before it runs
 TEACHER_TEMPERATURE = 0.5  # the teachers' sampling temperature for the warmup data: the rollouts' (GRPO's, MOPD's)
 CODE_DOMAIN, MATH_DOMAIN = "code", "math"
+# the agentic teacher's domain: the terminal tool environment's (its name too). math-python, the other tool
+# environment, shares math's domain, so a mixture of it and math could not tell their teachers apart.
+AGENTIC_DOMAIN = "terminal"
 LEVELS = object()  # in `Stage.fixed`: the pipeline's levels (`[pipeline] levels`)
 
 
@@ -100,7 +103,7 @@ class DataWriter:
         for draw in self.draws(name, config.stages[name], config):
             with get_env(draw.domain, levels=levels) as env:
                 kind = "verified" if draw.teacher else "env"
-                max_tokens = config.eval.max_tokens if draw.domain == MATH_DOMAIN else config.eval.code_max_tokens
+                max_tokens = domain_max_tokens(draw.domain, config)
                 answered = warmup_conversations([(env, draw.examples)], kind, teacher_for=lambda _: str(
                     out / draw.teacher / "hf"), seed=draw.seed, temperature=TEACHER_TEMPERATURE,
                     max_tokens=lambda _: max_tokens, tries=draw.samples, batch_size=config.eval.batch_size,
@@ -137,14 +140,18 @@ class MixedSFTData(DataWriter):
 
 @dataclass(frozen=True)
 class TeacherData(DataWriter):
-    """The MOPD warmup's data (hybridtron.post.mopd_warmup): `math_examples` and `code_examples` training tasks,
-    drawn with another seed than the SFT data, each answered by its domain's teacher up to `teacher_samples` times
-    (the first answer the environment scores 1 kept), or by its worked solution with `teacher_samples = 0`."""
+    """The MOPD warmup's data (hybridtron.post.mopd_warmup): `<domain>_examples` training tasks of each teacher's
+    domain (`math_examples`, `code_examples`, `terminal_examples`), drawn with another seed than the SFT data, each
+    answered by its domain's teacher up to `teacher_samples` times (the first answer the environment scores 1 kept;
+    in a tool environment a whole trajectory), or by its worked solution (a tool environment's: an expert
+    trajectory) with `teacher_samples = 0`."""
 
-    fields = {"math_examples": (1, "training tasks of that teacher's domain"),
-              "code_examples": (1, "training tasks of that teacher's domain"),
-              "teacher_samples": (0, "each teacher's tries per task; 0: the worked solutions")}
     teachers: Mapping[str, Any] = field(default_factory=dict)  # domain -> a Stage or First
+
+    @property
+    def fields(self):
+        return {**{f"{domain}_examples": (1, "training tasks of that teacher's domain") for domain in self.teachers},
+                "teacher_samples": (0, "each teacher's tries per task; 0: the worked solutions")}
 
     @property
     def sources(self):
@@ -156,8 +163,8 @@ class TeacherData(DataWriter):
     def draws(self, name, stage, config):
         samples = stage.data["teacher_samples"]
         return [DataDraw(domain, stage.data[key], 1, f"{name}.{key}={stage.data[key]}",
-                         resolve(self.teachers[domain], config).name if samples else "", samples)
-                for domain, key in ((MATH_DOMAIN, "math_examples"), (CODE_DOMAIN, "code_examples"))]
+                         resolve(source, config).name if samples else "", samples)
+                for domain, source in self.teachers.items() for key in [f"{domain}_examples"]]
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,13 @@ def in_order(stages: tuple[Stage, ...]) -> list[Stage]:
 
 def resolve(source: Stage | First, config: PipelineConfig) -> Stage:
     return source.pick(config) if isinstance(source, First) else source
+
+
+def domain_max_tokens(domain: str, config: PipelineConfig) -> int:
+    """The evaluation's completion cap in `domain` (in the agentic one, each turn's), which the warmup's teacher
+    answers share."""
+    ev = config.eval
+    return {MATH_DOMAIN: ev.max_tokens, AGENTIC_DOMAIN: ev.agentic_max_tokens}.get(domain, ev.code_max_tokens)
 
 
 def domain_share(n: int, domain: str) -> int:

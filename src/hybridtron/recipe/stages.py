@@ -1,7 +1,7 @@
 """The stages of the recipe, each a typed run of its command (hybridtron.recipe; their configuration:
 hybridtron.recipe.config; the recipe's table: docs/post-training.md): pretraining, multi-domain SFT, the RLVR
-student, the math and code teachers, the MOPD warmup on the teachers' answers, two MOPD iterations and the ablation
-without warmup, MTP boosting.
+student, the math, code and agentic (terminal tool use) teachers, the MOPD warmup on the teachers' answers, two MOPD
+iterations and the ablation without warmup, MTP boosting.
 
 Each stage is one declaration (`Stage`, hybridtron.recipe.stage) carrying its command, its inputs, what the recipe
 sets on its configuration, its data writer, how it is measured and its presets; the functions below loop over
@@ -27,9 +27,9 @@ from hybridtron.config import PRESETS, ModelConfig, preset as model_preset
 from hybridtron.envs import get_env
 from hybridtron.post import grpo, mopd, mtp_boost, sft
 from hybridtron.recipe.config import PRESET_SECTIONS, PipelineConfig, StageConfig, setting_text
-from hybridtron.recipe.stage import (CODE_DOMAIN, LEVELS, MATH_DOMAIN, BoostPrompts, DataDraw, First, MixedSFTData,
-                                     Raises, RecoversAtLeast, RecoversMore, Recovery, Stage, TeacherData, Written,
-                                     in_order, preset)
+from hybridtron.recipe.stage import (AGENTIC_DOMAIN, CODE_DOMAIN, LEVELS, MATH_DOMAIN, BoostPrompts, DataDraw, First,
+                                     MixedSFTData, Raises, RecoversAtLeast, RecoversMore, Recovery, Stage, TeacherData,
+                                     Written, in_order, preset)
 from hybridtron.train import pretrain
 from hybridtron.train.config import build_section, coerce_value, section_values, toml_value
 
@@ -47,27 +47,37 @@ MICRO_WARMUP = {key: value for key, value in MICRO_SFT.items() if key != "sft.en
 # The tiny preset's GRPO: issue 12's working run (BENCHMARKS.md, "GRPO at rollout temperature 0.5"): 8 completions
 # of 32 prompts a step sampled at T = 0.5, prompts drawn uniformly, lr 1e-4, short completions, no MTP drafts in the
 # rollouts and no MTP loss (MTP boosting retrains the drafter at the end), the stage evaluation instead of GRPO's own.
+# a terminal turn's cap (the evaluation's): the bash call of its "function called most" task is 101 tokens
+AGENTIC_TURN = PRESET_SECTIONS["tiny"][1].agentic_max_tokens
 GRPO = {"grpo.group_size": 8, "grpo.prompts_per_step": 32, "grpo.temperature": 0.5, "grpo.curriculum": False,
         "grpo.max_new_tokens": 64, "grpo.speculative": False, "grpo.mtp_loss_weight": 0.0, "grpo.eval_tasks": 0,
         "train.lr": 1e-4, "train.checkpoint_every": 10}
 # MOPD: 64 prompts a step (one completion each) at T = 0.5 and lr 2e-4 (docs/LOG.md, session 7, math prompts alone:
 # 128 a step at lr 1e-4 won back 39% of a math teacher's lead in 30 steps, 32 a step at 2e-4 66% in 120; 5e-4 broke
 # the student), on the reverse KL over each teacher's top 16 tokens, three quarters of the prompts math: against the
-# report's sampled estimator it took two iterations from 19% / 30% to 49% / 74% of the math / code leads (session 9)
-MOPD = {"mopd.prompts_per_step": 64, "mopd.temperature": 0.5, "mopd.max_new_tokens": 64, "mopd.speculative": False,
-        "mopd.mtp_loss_weight": 0.0, "mopd.task_pool": 400, "train.lr": 2e-4, "train.checkpoint_every": 5,
-        "mopd.kl_top_k": 16, "mopd.domain_weights": (0.75, 0.25)}
+# report's sampled estimator it took two iterations from 19% / 30% to 49% / 74% of the math / code leads (session 9).
+# With the agentic teacher the terminal prompts take a tenth (a trajectory is several times a math completion's
+# tokens), math and code keeping about their shares, and a turn may take AGENTIC_TURN tokens (not measured yet)
+MOPD = {"mopd.prompts_per_step": 64, "mopd.temperature": 0.5, "mopd.max_new_tokens": AGENTIC_TURN,
+        "mopd.speculative": False, "mopd.mtp_loss_weight": 0.0, "mopd.task_pool": 400, "train.lr": 2e-4,
+        "train.checkpoint_every": 5, "mopd.kl_top_k": 16, "mopd.domain_weights": (0.7, 0.2, 0.1)}
 MICRO_GRPO = {"grpo.group_size": 2, "grpo.prompts_per_step": 2, "grpo.task_pool": 8, "grpo.max_new_tokens": 6,
               "grpo.speculative": False, "grpo.max_refill_rounds": 0, "grpo.eval_tasks": 0,
               "grpo.mtp_loss_weight": 0.0, "train.grad_accum": 1}
 MICRO_MOPD = {"mopd.prompts_per_step": 4, "mopd.max_new_tokens": 6, "mopd.speculative": False, "mopd.task_pool": 8,
               "train.grad_accum": 1, "mopd.kl_top_k": 4}
-# the micro model: tests/conftest.py's small config (every layer kind, LatentMoE, MTP) at 512 tokens
+# An expert terminal trajectory (the tool's declaration, the task, its turns) is 383-609 tokens of the tiny tokenizer
+# (at 512, a quarter of them lost their last turns) and ~800 of the micro one's: rows that hold one whole, as many
+# tokens a micro-batch as SFT's 8 x 256
+AGENTIC_ROWS = {"sft.seq_len": 1024, "sft.batch_size": 2}
+AGENTIC_SFT = {"sft.train_on_thinking": True, **AGENTIC_ROWS, "train.val_every": 50, "train.checkpoint_every": 50}
+MICRO_AGENTIC_SFT = {**MICRO_SFT, "sft.env_examples": 8, "sft.seq_len": 1024}
+# the micro model: tests/conftest.py's small config (every layer kind, LatentMoE, MTP) with a 512-token vocabulary,
+# its context 2048 tokens (no positional encoding: it bounds generation alone) for the terminal's ~570-token prompts
 MICRO_MODEL = {f"model.{k}": v for k, v in dict(
     hidden_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=12, intermediate_size=64,
     mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=8, num_experts_per_tok=3,
     moe_intermediate_size=24, moe_shared_expert_intermediate_size=32, moe_latent_size=16, n_group=4).items()}
-MOPD_FIXED = {"mopd.warmup_steps": 0, "mopd.levels": LEVELS, "mopd.eval_tasks": 0}  # the warmup is its own stage
 
 # =============================================================================================== the stages
 # Presets: `tiny` is the real run, sized for 2 CPU cores (BENCHMARKS.md, issue 13): SFT on the math worked solutions
@@ -76,7 +86,7 @@ MOPD_FIXED = {"mopd.warmup_steps": 0, "mopd.levels": LEVELS, "mopd.eval_tasks": 
 PRETRAIN = Stage(name="pretrain", command=pretrain.COMMAND, what="pretraining", base=True, required=True, presets={
     "tiny": preset(150, {"train.val_every": 50, "train.checkpoint_every": 50}),
     "micro": preset(2, {"data.families": ("json", "text", "functional"), "data.seq_len": 64, "data.batch_size": 4,
-                        "data.vocab_size": 512, "model.vocab_size": 512, "model.max_position_embeddings": 512},
+                        "data.vocab_size": 512, "model.vocab_size": 512, "model.max_position_embeddings": 2048},
                     MICRO_MODEL, {"data.val_batches": 1, "train.warmup_steps": 1, "train.val_every": 2})})
 # SFT is multi-domain, as the report's: in a model this small a skill learnt after another overwrites it (docs/LOG.md,
 # session 7): a student that learns code only in the warmup loses its math there
@@ -107,9 +117,30 @@ CODE_TEACHER_RL = Stage(name="code_teacher_rl", command=grpo.COMMAND, what="code
                         inputs={"base_model": CODE_TEACHER, "env": CODE_DOMAIN}, fixed={"grpo.levels": LEVELS},
                         presets={"tiny": preset(10, GRPO, enabled=False),
                                  "micro": preset(1, MICRO_GRPO, enabled=False)})
-# the teachers are specialists made from the multi-domain SFT model; their SFT data is the student's own, so what the
-# student has not seen of a teacher is its answers (the warmup's data)
-TEACHERS = {MATH_DOMAIN: MATH_TEACHER, CODE_DOMAIN: First(CODE_TEACHER_RL, CODE_TEACHER)}
+# The agentic teacher, as the report's: SFT on tool-use trajectories, then RL in the tool environment. Its SFT data
+# are the terminal environment's expert trajectories, successful and failed, each prefixed with its outcome
+# (hybridtron.envs.agentic_sft: the student never sees them, so its tool use comes from the warmup and MOPD alone);
+# its RLVR samples whole trajectories through the sandboxed bash tool (hybridtron.post.rl.trajectories). The tiny
+# model learns the calls from a few hundred trajectories but not to copy the tool's output into its answer: 400
+# trajectories x 200 steps solved 5% of 20 held-out tasks greedily, 2,000 x 300 steps 25% (docs/post-training.md)
+AGENTIC_TEACHER_SFT = Stage(name="agentic_teacher_sft", command=sft.COMMAND, what="agentic teacher (tool-use SFT)",
+                            inputs={"base_model": SFT, "data": f"env:{AGENTIC_DOMAIN}"},
+                            fixed={"sft.env_levels": LEVELS},
+                            presets={"tiny": preset(300, AGENTIC_SFT, {"sft.env_examples": 2000}),
+                                     "micro": preset(2, MICRO_AGENTIC_SFT)})
+AGENTIC_TEACHER = Stage(name="agentic_teacher", command=grpo.COMMAND, what="agentic teacher (terminal RLVR)",
+                        inputs={"base_model": AGENTIC_TEACHER_SFT, "env": AGENTIC_DOMAIN},
+                        fixed={"grpo.levels": LEVELS, "grpo.seed": 2},
+                        presets={"tiny": preset(20, GRPO, {"grpo.prompts_per_step": 16,
+                                                           "grpo.max_new_tokens": AGENTIC_TURN}),
+                                 "micro": preset(1, MICRO_GRPO)})
+# the teachers are specialists made from the multi-domain SFT model; their SFT data is the student's own (the agentic
+# teacher's excepted), so what the student has not seen of a teacher is its answers (the warmup's data). Each domain
+# is also the environment MOPD samples its prompts from (math, code, terminal: each its environment's name).
+TEACHERS = {MATH_DOMAIN: MATH_TEACHER, CODE_DOMAIN: First(CODE_TEACHER_RL, CODE_TEACHER),
+            AGENTIC_DOMAIN: AGENTIC_TEACHER}
+MOPD_FIXED = {"mopd.warmup_steps": 0, "mopd.levels": LEVELS, "mopd.eval_tasks": 0,  # the warmup is its own stage
+              "mopd.envs": tuple(TEACHERS)}
 # The warmup is its own stage (the MOPD stages run with mopd.warmup_steps = 0), so that the ablation compares two
 # MOPD runs that differ in their starting point only. As long as the code teacher's own SFT (shorter ones left the
 # student with no passing code: docs/LOG.md, session 5), at lr 5e-4 (at 2e-3 it took the RLVR student's math from
@@ -118,9 +149,11 @@ TEACHERS = {MATH_DOMAIN: MATH_TEACHER, CODE_DOMAIN: First(CODE_TEACHER_RL, CODE_
 MOPD_WARMUP = Stage(name="mopd_warmup", command=sft.COMMAND, what="MOPD warmup (teachers' data)",
                     inputs={"base_model": RLVR, "data": Written()}, data=TeacherData(teachers=TEACHERS), presets={
                         "tiny": preset(100, {"sft.train_on_thinking": True, "train.lr": 5e-4, "train.val_every": 20,
-                                             "train.checkpoint_every": 20},
-                                       math_examples=600, code_examples=200, teacher_samples=4),
-                        "micro": preset(2, MICRO_WARMUP, math_examples=20, code_examples=20, teacher_samples=0)})
+                                             "train.checkpoint_every": 20, **AGENTIC_ROWS},
+                                       math_examples=600, code_examples=200, terminal_examples=100,
+                                       teacher_samples=4),
+                        "micro": preset(2, MICRO_WARMUP, {"sft.seq_len": 1024}, math_examples=20, code_examples=20,
+                                        terminal_examples=2, teacher_samples=0)})
 MOPD_RECOVERY = Recovery(baseline=RLVR, teachers=TEACHERS)
 MOPD_1 = Stage(name="mopd_1", command=mopd.COMMAND, what="MOPD iteration 1", fixed=MOPD_FIXED, recovery=MOPD_RECOVERY,
                inputs={"student": MOPD_WARMUP, "teachers": TEACHERS, "general": RLVR},
@@ -145,8 +178,8 @@ GOALS = (Raises("rlvr_raises_math", "math_pass_at_1", SFT, RLVR),
          RecoversMore("warmup_helps", MOPD_1, MOPD_NO_WARMUP, ("with_warmup", "without_warmup")),
          Raises("mtp_boost_raises_acceptance", "acceptance_length", MOPD_2, MTP_BOOST, ("before", "after")))
 
-STAGES = (PRETRAIN, SFT, RLVR, MATH_TEACHER_SFT, MATH_TEACHER, CODE_TEACHER, CODE_TEACHER_RL, MOPD_WARMUP, MOPD_1,
-          MOPD_2, MOPD_NO_WARMUP, MTP_BOOST)
+STAGES = (PRETRAIN, SFT, RLVR, MATH_TEACHER_SFT, MATH_TEACHER, CODE_TEACHER, CODE_TEACHER_RL, AGENTIC_TEACHER_SFT,
+          AGENTIC_TEACHER, MOPD_WARMUP, MOPD_1, MOPD_2, MOPD_NO_WARMUP, MTP_BOOST)
 
 
 def declared() -> dict[str, Stage]:
