@@ -114,19 +114,26 @@ def _printed(outputs: list[str]) -> str:
 class MathPythonEnv(Environment):
     """Problems whose answer a `python` call computes; reward 1.0 for the exact integer in `\\boxed{}` (or an
     "Answer:" line) of the final turn. `levels`: the kinds to draw from; `workers`, `timeout_s`: the grading
-    children (as `math`); each trajectory's tool calls run in a sandbox directory of its own."""
+    children (as `math`); each trajectory's tool calls run in a sandbox directory of its own. `tool=False`: the
+    same tasks with no tool declared and one turn, so the model must answer from its head (what the tool is worth:
+    pass@1 with it against without it); it has no SFT data, as its expert solves with the tool."""
 
     domain = "math"
     system_prompt = ("Solve the problem. Use the python tool for any computation you cannot do exactly in your head, "
                      "then give the final answer in \\boxed{}.")
     tools = (PYTHON_TOOL,)
     max_turns = 4
+    direct_prompt = "Solve the problem without any tool, then give the final answer in \\boxed{}."
 
     def __init__(self, levels: Sequence[int] = LEVELS, *, workers: int = 1, timeout_s: float = 1.0,
-                 failure_share: float = FAILURE_SHARE):
+                 failure_share: float = FAILURE_SHARE, tool: bool = True):
         levels = tuple(levels)
         if not levels or any(level not in GENERATORS for level in levels):
             raise ValueError(f"math-python: levels must be a non-empty subset of {LEVELS}, got {levels}")
+        if not isinstance(tool, bool):
+            raise ValueError(f"math-python: tool must be true or false, got {tool!r}")
+        if not tool:
+            self.tools, self.max_turns, self.system_prompt = (), 1, self.direct_prompt
         self.levels, self.failure_share = levels, failure_share
         self._pool = GraderPool(VERIFIER, workers=workers, timeout_s=timeout_s)
 
@@ -146,6 +153,8 @@ class MathPythonEnv(Environment):
     def sft_examples(self, n: int, seed: int = 0) -> list[dict]:
         """`n` expert trajectories of training tasks, `failure_share` of them failed, each prefixed with its
         outcome (`hybridtron.envs.agentic_sft`)."""
+        if not self.tools:
+            raise ValueError("math-python: tool=False has no SFT data (its expert solves every task with the tool)")
         return expert_examples(self, n, seed, failure_share=self.failure_share)
 
     def expert_plans(self, task: Task, failure: bool, rng: random.Random) -> list[tuple[str, Plan]]:
