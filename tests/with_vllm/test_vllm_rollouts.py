@@ -25,7 +25,7 @@ from hybridtron.infer.sampling import SamplingParams
 from hybridtron.model.lm import HybridLM
 from hybridtron.post.grpo import GRPOConfig
 from hybridtron.post.mopd import MOPDConfig
-from hybridtron.post.rl.engines.vllm import VLLMRollouts, check_vllm
+from hybridtron.post.rl.engines.vllm import CPU_KV_CACHE_GIB, VLLMRollouts, check_vllm
 from hybridtron.post.rl.objective import head_forward, sampled_logprobs, token_scores
 from hybridtron.post.rl.roles import RoleStopped
 
@@ -57,17 +57,6 @@ def dense_config(**overrides) -> ModelConfig:
                 n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16, num_nextn_predict_layers=1,
                 mtp_layers_block_type=("full_attention",), max_position_embeddings=256)
     return ModelConfig(**{**base, **overrides})
-
-
-@pytest.fixture(scope="module", autouse=True)
-def small_vllm(monkeypatch_module):
-    monkeypatch_module.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: the test models need little
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +121,21 @@ def test_stop_tokens_end_a_sample_and_stay_in_it(engine):
                                                       stop_token_ids=(stop,)), 1, version=1)[0][0]
     first = free.token_ids.index(stop)
     assert cut.token_ids == free.token_ids[:first + 1] and cut.finish_reason == "stop"
+
+
+def test_a_round_longer_than_a_prefill_step_is_sampled(engine):
+    """A seeded round whose prompts exceed one scheduler step's token budget (4096 tokens by default: here 16
+    prompts x 8 samples x 41 tokens, a GRPO step's size). vLLM 0.32 splits such prefills over steps and then rewinds
+    the seeded generator of each split sample with `Generator.set_offset`, which a CPU generator does not have
+    (RuntimeError: every GRPO step of 16 x 8 math prompts failed), so the CPU engine runs without chunked prefill."""
+    vllm, _ = engine
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(16, 512) for _ in range(40)] for _ in range(16)]
+    params = SamplingParams(seed=7, max_tokens=4, **SAMPLING)
+    out = vllm.generate(prompts, params, 8, version=1)
+    assert [len(row) for row in out] == [8] * 16 and all(c.token_ids for row in out for c in row)
+    again = vllm.generate(prompts, params, 8, version=1)
+    assert [[c.token_ids for c in row] for row in again] == [[c.token_ids for c in row] for row in out]
 
 
 def test_weights_are_pushed_and_the_version_checked(engine):
@@ -279,6 +283,25 @@ def test_a_moe_model_on_a_cpu_is_refused(policy_dir):
     with pytest.raises(ValueError, match=r"mopd.engine=vllm: the model has MoE layers \(2\), and vLLM's CPU backend "
                                          r"has no kernel for its non-gated relu2 experts"):
         check_vllm(MOPDConfig(speculative=False), moe, str(policy_dir))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU backend's memory check")
+def test_vllm_starts_on_a_cpu_whatever_memory_is_free(policy_dir, monkeypatch):
+    """Left to itself vLLM's CPU backend wants gpu_memory_utilization of the machine's memory free when it starts
+    (any other process on the machine stopped the run); the engine gives it CPU_KV_CACHE_GIB of KV cache instead.
+    At a share of 1.0, which no running machine has free, it starts and samples."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    model_config = ModelConfig.from_hf(policy_dir)
+    tokenizer = load_chat_tokenizer(policy_dir, vocab_size=512)
+    vllm = VLLMRollouts(GRPOConfig(speculative=False, vllm_gpu_memory_utilization=1.0), model_dir=str(policy_dir),
+                        model_config=model_config, tokenizer=tokenizer)
+    try:
+        vllm.load_weights(1, load_pretrained(policy_dir, dtype=torch.float32).state_dict())
+        out = vllm.generate([[1, 10, 20]], SamplingParams(seed=1, max_tokens=4), 2, version=1)
+        assert len(out[0]) == 2 and all(1 <= len(c.token_ids) <= 4 for c in out[0])
+        assert f"Explicitly set ({float(CPU_KV_CACHE_GIB)}/" in vllm.process.log.read_text()
+    finally:
+        vllm.close()
 
 
 def test_a_vllm_that_does_not_start_is_one_line(policy_dir, tmp_path, monkeypatch):

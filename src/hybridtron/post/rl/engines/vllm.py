@@ -71,6 +71,10 @@ POLL_S = 0.5
 # vLLM's CPU backend samples in fp32 (the learner's precision: the smallest mismatch); on GPUs bf16, as RL stacks run
 # their rollout engines
 CPU_DTYPE, GPU_DTYPE = "float32", "bfloat16"
+# GiB of KV cache (and Mamba state) for vLLM on a CPU, unless $VLLM_CPU_KVCACHE_SPACE says otherwise: left to itself
+# vLLM's CPU backend sizes the cache as gpu_memory_utilization (0.92 there) of the machine's memory and refuses to
+# start unless that much is free (v1/worker/cpu_worker.py), so any other process on the machine stopped the run
+CPU_KV_CACHE_GIB = 1
 
 
 def vllm_python() -> Path:
@@ -157,6 +161,8 @@ class VLLMProcess:
                "HYBRIDTRON_VLLM_AUTHKEY": key.hex()}
         # one process: vLLM's engine core in the worker's own (no third process per engine on a small machine)
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not on_gpu():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(CPU_KV_CACHE_GIB))
         python = vllm_python()
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen([str(python), str(WORKER)], env=env, stdout=log,

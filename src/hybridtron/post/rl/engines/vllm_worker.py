@@ -64,6 +64,11 @@ class Worker:
             # (model_executor/layers/mamba/mamba_mixer2.py, conv_ssm_forward: `varlen_states[last_chunk_indices_p]`
             # raises IndexError; measured with 200-token prompts), so the CPU engine runs without it
             kwargs["enable_prefix_caching"] = False
+            # and without chunked prefill: vLLM 0.32 splits a round's prefills over steps past max_num_batched_tokens
+            # (4096: a GRPO step of 16 x 8 math prompts), then rewinds each split sample's seeded generator with
+            # `Generator.set_offset` (v1/worker/gpu_model_runner.py, _bookkeeping_sync), which a CPU generator lacks:
+            # "RuntimeError: CPU Generator does not use offset". Unsplit, a prefill waits for the next step instead
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(options.get("engine_args") or {})
         self.llm = LLM(**kwargs)
 
