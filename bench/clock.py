@@ -1,4 +1,5 @@
-"""The clock a benchmark reads (`--clock`): elapsed time, or this process's own CPU time on a busy machine.
+"""The clock a benchmark reads (`--clock`): elapsed time, or this process's own CPU time on a busy machine; and
+`cpu_line`, the machine it ran on as BENCHMARKS.md records it.
 
 CPU time is not inflated by other processes taking turns on the cores, so side-by-side ratios stay steady on a
 shared machine; it is meaningful with `--threads 1` only (idle OpenMP workers spin and count), and other jobs
@@ -8,7 +9,10 @@ still slow a process down through the caches and memory bandwidth they share.
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import time
+from pathlib import Path
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _selected = CLOCKS["wall"]
@@ -31,3 +35,15 @@ def timed(fn) -> float:
     start = _selected()
     fn()
     return _selected() - start
+
+
+def cpu_line() -> str:
+    """"CPU: model (cores; the vector-ISA flags torch's CPU kernels dispatch on); load average": what a benchmark
+    prints beside its numbers (BENCHMARKS.md records the CPU of every figure; on a shared machine the load too)."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+                 platform.processor() or "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    isa = " ".join(f for f in ("fma", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"CPU: {model} ({os.cpu_count()} cores; {isa or 'no AVX2'}); load average {load}"

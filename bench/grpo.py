@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from clock import cpu_line
 
 
 def rollout_throughput(args) -> None:
@@ -117,25 +118,11 @@ def main() -> None:
     args = parser.parse_args()
     args.levels = tuple(int(v) for v in args.levels.split(","))
     args.draft_lengths = [int(v) for v in args.draft_lengths.split(",") if v]
-    print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; torch {__import__('torch').__version__}")
+    print(f"{cpu_line()}; torch {__import__('torch').__version__}")
     if args.skip != "rollouts":
         rollout_throughput(args)
     if args.skip != "steps":
         step_times(args)
-
-
-def cpu_model() -> str:
-    """The CPU's model name and its vector-ISA flags (what torch's CPU kernels dispatch on), from /proc/cpuinfo."""
-    name, flags = "unknown", []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == "unknown":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma", "f16c"))]
-    except OSError:
-        pass
-    return f"{name} ({' '.join(flags) or 'no AVX flags'})"
 
 
 if __name__ == "__main__":

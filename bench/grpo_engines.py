@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from clock import cpu_line
 
 ENGINES = ("hybridtron", "vllm")
 # issue 12's working GRPO recipe on the math environment (docs/post-training.md, "GRPO"), MTP off for both arms, at
@@ -91,20 +92,6 @@ def summary(out: Path, wall: float | None) -> dict:
             "reward": (steps[0]["reward_mean"], steps[-1]["reward_mean"]), "wall": wall,
             "per_step": [(line["step"], line["is_mismatch"], line.get("is_out_of_bounds_share", 0.0))
                          for line in steps]}
-
-
-def cpu_line() -> str:
-    name, flags = "unknown", []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name == "unknown":
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = [f for f in line.split(":", 1)[1].split() if f.startswith(("avx512f", "avx512_bf16", "amx"))]
-    except OSError:
-        pass
-    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
-    return f"CPU: {name} ({os.cpu_count()} cores; {' '.join(flags) or 'no avx512/amx'}); load average {load}"
 
 
 def main() -> int:

@@ -27,13 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from clock import cpu_line
 
 BATCHES = (1, 8, 32)
 PREFILL_BATCH = 8
@@ -157,16 +158,6 @@ def run_hybridtron(args, model_dir: Path, work: dict) -> dict:
     return measure(generate, work, args.new_tokens, args.repeats)
 
 
-def cpu_line(threads: int) -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), [])
-    isa = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags)
-    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"CPU: {model} ({os.cpu_count()} cores; {isa}); {threads} thread(s) each; load average {load}"
-
-
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--vllm-side":
         vllm_side(sys.argv[2], sys.argv[3])
@@ -183,10 +174,10 @@ def main() -> None:
         scratch = Path(scratch)
         vocab = build_model(scratch / "model", args.seed)
         work = workload(args, vocab)
-        print(cpu_line(args.threads), flush=True)
+        print(f"{cpu_line()}; {args.threads} thread(s) each", flush=True)
         ours = run_hybridtron(args, scratch / "model", work)
         theirs = run_vllm(args, scratch / "model", work, scratch)
-        print(cpu_line(args.threads))
+        print(f"{cpu_line()}; {args.threads} thread(s) each")
     if ours["greedy"] != theirs["greedy"]:
         raise SystemExit(f"vllm_vs_engine: the engines' greedy tokens differ on the same model: {ours['greedy']} "
                          f"against vLLM's {theirs['greedy']}")
