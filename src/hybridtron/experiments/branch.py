@@ -456,7 +456,8 @@ class Branch(RunCommand):
     quiet_help = "no progress lines (default: one line per arm)"
     out_help = ("the branch directory; created, and holds each arm's run, branch.json and branch.png (default: "
                 "<run>/branches/<step_N>_<tokens>)")
-    steps_help = "steps to train each arm for, instead of --tokens (the same as --set branch.steps=N)"
+    steps_help = ("steps to train each arm for, instead of --tokens (the same as --set branch.steps=N; default: none, "
+                  "--tokens)")
     steps_setting = "branch.steps"
 
     def add_command_arguments(self, parser):
