@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,12 +43,28 @@ def ranks(steps: list[dict]) -> set[float]:
     return {r["rollout_ranks"] for r in steps if "rollout_ranks" in r}
 
 
+# a rank killed by SIGABRT or SIGSEGV, torchrun's report of a native crash (a Python error in a rank exits 1 or 2)
+NATIVE_DEATH = re.compile(r"exitcode\s*:\s*-(6|11)\b")
+
+
 def torchrun(command: list[str], timeout: int) -> None:
-    """`command` (a hybridtron command line, e.g. `grpo_argv`'s) under torchrun on 2 processes."""
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "hybridtron", *command], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1",
-                               "PYTHONPATH": os.pathsep.join([str(POST_TESTS), os.environ.get("PYTHONPATH", "")])})
+    """`command` (a hybridtron command line, e.g. `grpo_argv`'s) under torchrun on 2 processes. A world in which a
+    rank died natively (SIGABRT "terminate called without an active exception", or SIGSEGV, with no Python error) is
+    run once more from scratch: gloo aborts a rank now and then on a loaded CPU, seen 3 times in some 20 full suites
+    and never again on rerunning the same test (docs/LOG.md, 2026-12-05 and 2026-12-06; pytorch/pytorch#190489). A
+    second death, or any other failure, fails the test."""
+    out = Path(command[command.index("--out") + 1])
+    start = time.monotonic()
+    for attempt in (1, 2):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "hybridtron", *command], capture_output=True, text=True,
+                              timeout=timeout - (time.monotonic() - start),
+                              env={**os.environ, "OMP_NUM_THREADS": "1",
+                                   "PYTHONPATH": os.pathsep.join([str(POST_TESTS), os.environ.get("PYTHONPATH", "")])})
+        if done.returncode == 0 or attempt == 2 or not NATIVE_DEATH.search(done.stderr):
+            break
+        print(f"torchrun: a rank died natively; running the world again:\n{done.stderr[-2000:]}", file=sys.stderr)
+        shutil.rmtree(out, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
