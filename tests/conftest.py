@@ -3,13 +3,17 @@ layer kinds that runs in milliseconds on a CPU."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 import torch
 from xdist.scheduler import LoadScopeScheduling
 
+from hybridtron.checkpoint import save_pretrained
 from hybridtron.config import ModelConfig, parse_pattern
+from hybridtron.data.chat import save_tokenizer_files
+from hybridtron.data.tokenizer import Tokenizer
 from hybridtron.model.lm import HybridLM
 
 # Tests run tiny tensors, where intra-op threads cost more in synchronisation than they save; on a busy CPU the
@@ -77,6 +81,22 @@ def _small_config(**overrides) -> ModelConfig:
 def small_config():
     """`small_config(**overrides)`: Mamba, attention, LatentMoE (grouped routing) and dense layers, with MTP."""
     return _small_config
+
+
+def _random_policy(directory: Path, config: ModelConfig, words: list[str], *, texts: int = 300) -> Path:
+    """`directory` made an HF checkpoint of a random `config` model (seed 0) with a 512-token chat tokenizer trained on
+    `texts` strings of 30 random `words` (the vocabulary of the prompts its test samples), its context the model's."""
+    tokenizer = Tokenizer.train([" ".join(random.Random(i).choices(words, k=30)) for i in range(texts)], 512)
+    torch.manual_seed(0)
+    save_pretrained(HybridLM(config), directory)
+    save_tokenizer_files(tokenizer, directory, model_max_length=config.max_position_embeddings)
+    return directory
+
+
+@pytest.fixture(scope="session")  # a pure function: module-scoped fixtures may use it too
+def random_policy():
+    """`random_policy(directory, config, words, texts=300)`: a random policy checkpoint with its chat tokenizer."""
+    return _random_policy
 
 
 def _pretrain_config(*overrides: str, preset: str | None = None, config: str | Path | None = None):

@@ -6,23 +6,21 @@ agentic statistics, and resumes."""
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
 import torch
 
-from hybridtron.checkpoint import load_pretrained, save_pretrained
+from hybridtron.checkpoint import load_pretrained
 from hybridtron.cli import main as cli_main
-from hybridtron.data.chat import load_chat_tokenizer, save_tokenizer_files, tokenize_chat, tool_turn_text
-from hybridtron.data.tokenizer import IM_END, Tokenizer
+from hybridtron.data.chat import load_chat_tokenizer, tokenize_chat, tool_turn_text
+from hybridtron.data.tokenizer import IM_END
 from hybridtron.envs import get_env
 from hybridtron.envs.agentic import Trajectory, Turn
 from hybridtron.envs.base import TOOL_ERRORS, Task
 from hybridtron.infer.engine import HybridEngine
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.infer.scheduler import Completion
-from hybridtron.model.lm import HybridLM
 from hybridtron.ops.cross_entropy import IGNORE_INDEX
 from hybridtron.post.grpo import GRPOConfig, GRPOObjective
 from hybridtron.post.rl.batches import pack_micro_batches
@@ -34,16 +32,12 @@ CONTEXT = 1536  # a math-python prompt (system turn with the python tool) is ~90
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, small_config):
+def policy_dir(tmp_path_factory, small_config, random_policy):
     """tests/post/test_grpo.py's small random policy with the context a tool environment's prompt needs."""
     directory = tmp_path_factory.mktemp("agentic_policy") / "hf"
     words = ["What is", "python", "code", "print", "boxed", "answer", "tool_call"] + [str(i) for i in range(100)]
-    tokenizer = Tokenizer.train([" ".join(random.Random(i).choices(words, k=30)) for i in range(300)], 512)
-    torch.manual_seed(0)
-    config = small_config(vocab_size=512, mtp_num_depths=2, max_position_embeddings=CONTEXT)
-    save_pretrained(HybridLM(config), directory)
-    save_tokenizer_files(tokenizer, directory, model_max_length=CONTEXT)
-    return directory
+    return random_policy(directory, small_config(vocab_size=512, mtp_num_depths=2, max_position_embeddings=CONTEXT),
+                         words)
 
 
 @pytest.fixture(scope="module")

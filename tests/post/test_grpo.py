@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import json
 import math
-import random
 import shutil
 
 import pytest
@@ -17,8 +16,7 @@ import torch
 from hybridtron.checkpoint import load_pretrained, save_pretrained
 from hybridtron.cli import main as cli_main
 from hybridtron.config import ModelConfig
-from hybridtron.data.chat import load_chat_tokenizer, save_tokenizer_files, tokenize_chat
-from hybridtron.data.tokenizer import Tokenizer
+from hybridtron.data.chat import load_chat_tokenizer, tokenize_chat
 from hybridtron.infer.engine import HybridEngine
 from hybridtron.infer.sampling import SamplingParams, probs_from_logits
 from hybridtron.model.lm import HybridLM
@@ -56,17 +54,12 @@ TOY = f"{__name__}:ToyEnv"
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, small_config):
+def policy_dir(tmp_path_factory, small_config, random_policy):
     """A small random model (tests/conftest.py's small config, 512 tokens, MTP) as an HF checkpoint with the chat
     tokenizer and template, as an SFT export leaves it."""
     directory = tmp_path_factory.mktemp("policy") / "hf"
     words = ["What is", "Count to", "Reason step by step", "boxed", "answer", "think"] + [str(i) for i in range(100)]
-    tokenizer = Tokenizer.train([" ".join(random.Random(i).choices(words, k=30)) for i in range(300)], 512)
-    torch.manual_seed(0)
-    config = small_config(vocab_size=512, mtp_num_depths=2, max_position_embeddings=256)
-    save_pretrained(HybridLM(config), directory)
-    save_tokenizer_files(tokenizer, directory, model_max_length=256)
-    return directory
+    return random_policy(directory, small_config(vocab_size=512, mtp_num_depths=2, max_position_embeddings=256), words)
 
 
 @pytest.fixture(scope="module")

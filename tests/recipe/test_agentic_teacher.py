@@ -5,18 +5,14 @@ through the turn loop with the real tool responses, which SFT renders with the t
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from hybridtron.checkpoint import save_pretrained
-from hybridtron.data.chat import load_chat_tokenizer, save_tokenizer_files, tokenize_chat
-from hybridtron.data.tokenizer import IM_END, Tokenizer
+from hybridtron.data.chat import load_chat_tokenizer, tokenize_chat
+from hybridtron.data.tokenizer import IM_END
 from hybridtron.envs import get_env
 from hybridtron.envs.agentic import BASH_TOOL
 from hybridtron.infer.scheduler import Completion
-from hybridtron.model.lm import HybridLM
 from hybridtron.post import teachers
 from hybridtron.post.mopd_warmup import warmup_conversations
 from hybridtron.recipe.stage import TEACHER_TEMPERATURE
@@ -50,15 +46,11 @@ def test_the_agentic_teacher_is_tool_use_sft_then_terminal_rlvr_in_every_mopd_pa
 
 
 @pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory, small_config):
+def teacher_dir(tmp_path_factory, small_config, random_policy):
     """A random teacher with the context of a terminal conversation (its turns are scripted below)."""
     directory = tmp_path_factory.mktemp("agentic_teacher") / "hf"
     words = ["How many", "files", "bash", "grep", "boxed", "tool_call", "ERROR"] + [str(i) for i in range(50)]
-    tokenizer = Tokenizer.train([" ".join(random.Random(i).choices(words, k=30)) for i in range(200)], 512)
-    torch.manual_seed(0)
-    save_pretrained(HybridLM(small_config(vocab_size=512, max_position_embeddings=2048)), directory)
-    save_tokenizer_files(tokenizer, directory, model_max_length=2048)
-    return directory
+    return random_policy(directory, small_config(vocab_size=512, max_position_embeddings=2048), words, texts=200)
 
 
 def scripted_generate(tokenizer, tasks):

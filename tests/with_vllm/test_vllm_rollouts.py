@@ -15,11 +15,10 @@ import signal
 import pytest
 import torch
 
-from hybridtron.checkpoint import load_pretrained, save_pretrained
+from hybridtron.checkpoint import load_pretrained
 from hybridtron.cli import main as cli_main
 from hybridtron.config import ModelConfig, parse_pattern
-from hybridtron.data.chat import load_chat_tokenizer, save_tokenizer_files
-from hybridtron.data.tokenizer import Tokenizer
+from hybridtron.data.chat import load_chat_tokenizer
 from hybridtron.envs import Environment, Task
 from hybridtron.infer.sampling import SamplingParams
 from hybridtron.model.lm import HybridLM
@@ -60,14 +59,10 @@ def dense_config(**overrides) -> ModelConfig:
 
 
 @pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
+def policy_dir(tmp_path_factory, random_policy):
     directory = tmp_path_factory.mktemp("dense") / "hf"
     words = ["What is", "Count to", "Reason step by step", "boxed", "answer", "think"] + [str(i) for i in range(100)]
-    tokenizer = Tokenizer.train([" ".join(random.Random(i).choices(words, k=30)) for i in range(300)], 512)
-    torch.manual_seed(0)
-    save_pretrained(HybridLM(dense_config()), directory)
-    save_tokenizer_files(tokenizer, directory, model_max_length=256)
-    return directory
+    return random_policy(directory, dense_config(), words)
 
 
 @pytest.fixture(scope="module")
@@ -318,17 +313,13 @@ def test_a_vllm_that_does_not_start_is_one_line(policy_dir, tmp_path, monkeypatc
                      tokenizer=tokenizer)
 
 
-def test_grpo_on_a_tool_environment_samples_its_turns_on_vllm(tmp_path):
+def test_grpo_on_a_tool_environment_samples_its_turns_on_vllm(tmp_path, random_policy):
     """GRPO on `math-python` (the turn loop: the system turn declares the `python` tool) with vLLM sampling every turn:
     the trajectory's model tokens come back with their log-probs (the learner's to fp32 rounding at step 1) and the
     agentic statistics are logged. The random policy rarely calls its tool: this checks the plumbing of trajectories
     through vLLM; the turns after a tool call go through the same `generate` (tests/post/test_agentic_rl.py)."""
-    directory = tmp_path / "policy"
     words = ["What is", "python", "print", "boxed", "answer", "tool_call"] + [str(i) for i in range(100)]
-    tokenizer = Tokenizer.train([" ".join(random.Random(i).choices(words, k=30)) for i in range(300)], 512)
-    torch.manual_seed(0)
-    save_pretrained(HybridLM(dense_config(max_position_embeddings=1536)), directory)
-    save_tokenizer_files(tokenizer, directory, model_max_length=1536)
+    directory = random_policy(tmp_path / "policy", dense_config(max_position_embeddings=1536), words)
     run = tmp_path / "grpo"
     assert cli_main(["grpo", "--model", str(directory), "--env", "math-python", "--out", str(run), "--quiet",
                      "--steps", "1", "--set", "grpo.engine=vllm", "--set", "grpo.speculative=false",
