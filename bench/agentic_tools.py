@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from grpo import cpu_model  # bench/grpo.py's CPU description
+from clock import cpu_model
 
 
 def parse_models(text: str) -> list[tuple[str, str]]:

@@ -37,13 +37,19 @@ def timed(fn) -> float:
     return _selected() - start
 
 
-def cpu_line() -> str:
-    """"CPU: model (cores; the vector-ISA flags torch's CPU kernels dispatch on); load average": what a benchmark
-    prints beside its numbers (BENCHMARKS.md records the CPU of every figure; on a shared machine the load too)."""
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+def cpu_model() -> str:
+    """The CPU's model name and the vector-ISA flags torch's CPU kernels dispatch on, from /proc/cpuinfo."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.is_file() else []
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
                  platform.processor() or "unknown")
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    isa = " ".join(f for f in ("fma", "avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags)
+    isa = " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+    return f"{model} ({isa or 'no AVX flags'})"
+
+
+def cpu_line() -> str:
+    """"CPU: model (flags); N cores; load average": what a benchmark prints beside its numbers (BENCHMARKS.md records
+    the CPU of every figure; on a shared machine the load too)."""
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"CPU: {model} ({os.cpu_count()} cores; {isa or 'no AVX2'}); load average {load}"
+    return f"CPU: {cpu_model()}; {os.cpu_count()} cores; load average {load}"

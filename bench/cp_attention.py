@@ -31,7 +31,7 @@ from hybridtron.config import bench22m
 from hybridtron.distributed.context_parallel import apply_context_parallel
 from hybridtron.model.attention import Attention
 
-from grpo import cpu_model
+from clock import cpu_model
 
 FORMS = ("all-gather", "ring")
 

@@ -23,7 +23,7 @@ from hybridtron.distributed.context_parallel import chunk_attention, own_chunks
 
 import clock
 from clock import timed
-from grpo import cpu_model
+from clock import cpu_model
 
 
 def rank_seconds(seq: int, chunks: tuple[int, ...], pieces: int, reps: int) -> float:

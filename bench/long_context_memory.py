@@ -55,7 +55,7 @@ from hybridtron.train.preflight import available_memory, training_memory
 from hybridtron.train.run import assemble_trainer
 
 import clock
-from grpo import cpu_model
+from clock import cpu_model
 
 MODES = ("none", "selective", "full")
 DEFAULT_LENGTHS = "1k,2k,4k,8k,16k,32k"

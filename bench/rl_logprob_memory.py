@@ -55,7 +55,7 @@ from hybridtron.post.rl.rollout import Rollout
 from hybridtron.post.sft import sft_loss
 from hybridtron.train.preflight import available_memory
 
-from grpo import cpu_model
+from clock import cpu_model
 from long_context_memory import GiB, HEADROOM, length_label, parse_length, peak_rss_bytes
 
 VOCAB = 131072  # Ultra's (and Nano's, Super's)

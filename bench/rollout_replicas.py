@@ -22,7 +22,7 @@ import argparse
 import os
 import time
 
-from grpo import cpu_model  # bench/grpo.py's CPU description
+from clock import cpu_model
 
 
 def main() -> None:

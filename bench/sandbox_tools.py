@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 
-from grpo import cpu_model  # bench/grpo.py's CPU description
+from clock import cpu_model
 
 HOSTILE = {
     "fork bomb": ":(){ :|:& };:",
