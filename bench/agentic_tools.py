@@ -1,6 +1,7 @@
 """What a tool is worth to a model: greedy pass@1 on held-out `math-python` tasks with the `python` tool against the
 same model answering without it, `terminal` pass@1, the share of well-formed tool calls and turns per trajectory, one
-row per checkpoint (e.g. the base model, after agentic SFT, after GRPO).
+row per checkpoint (e.g. the base model, after agentic SFT, after GRPO), and with `--copy-levels` pass@1 on `copy`
+(repeat a number or a name: the copying a tool rests on).
 
     python bench/agentic_tools.py --models base=runs/quickstart/hf,sft=runs/sft-tools/hf,grpo=runs/grpo-tools/hf \
         --levels 1 --tasks 50 --terminal-levels 1,2,3 --terminal-tasks 30 --show 2
@@ -72,6 +73,9 @@ def main() -> int:
     parser.add_argument("--tasks", type=int, default=50, help="math-python test tasks per side (default 50)")
     parser.add_argument("--terminal-levels", default="", help="terminal levels, e.g. 1,2,3 (default: no terminal)")
     parser.add_argument("--terminal-tasks", type=int, default=30, help="terminal test tasks (default 30)")
+    parser.add_argument("--copy-levels", default="", help="copy levels, e.g. 1,2,3: the copying the tools rest on "
+                        "(default: none)")
+    parser.add_argument("--copy-tasks", type=int, default=60, help="copy test tasks (default 60)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per turn (default 128)")
     parser.add_argument("--token-budget", type=int, default=1024, help="tokens per trajectory (default 1024)")
     parser.add_argument("--seed", type=int, default=0, help="the test tasks' draw (default 0)")
@@ -83,6 +87,7 @@ def main() -> int:
         models = parse_models(args.models)
         levels = parse_levels(args.levels, "--levels")
         terminal_levels = parse_levels(args.terminal_levels, "--terminal-levels") if args.terminal_levels else ()
+        copy_levels = parse_levels(args.copy_levels, "--copy-levels") if args.copy_levels else ()
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -108,6 +113,10 @@ def main() -> int:
             with get_env("terminal", levels=terminal_levels) as env:
                 row["terminal"] = side(engine, env, env.tasks("test", args.terminal_tasks, args.seed),
                                        args.max_tokens, args.token_budget, args.show, f"{label} terminal")
+        if copy_levels:
+            with get_env("copy", levels=copy_levels) as env:
+                row["copy"] = side(engine, env, env.tasks("test", args.copy_tasks, args.seed), args.max_tokens,
+                                   args.token_budget, args.show, f"{label} copy")
         rows[label] = row
         print(f"[{label}: {sum(s['seconds'] for s in row.values()):.0f} s; load average {os.getloadavg()[0]:.1f}]",
               flush=True)
@@ -116,17 +125,18 @@ def main() -> int:
         return "-" if value is None else f"{100 * value:.0f}%"
 
     header = (f"{'model':<10} {'math tool':>9} {'no tool':>8} {'well-formed':>11} {'turns':>6} {'calls':>6} "
-              f"{'terminal':>9} {'well-formed':>11} {'turns':>6}")
+              f"{'terminal':>9} {'well-formed':>11} {'turns':>6} {'copy':>6}")
     print(f"\nmath-python levels {','.join(map(str, levels))}, {args.tasks} tasks; terminal levels "
           f"{','.join(map(str, terminal_levels)) or '-'}, {args.terminal_tasks if terminal_levels else 0} tasks; "
-          f"greedy pass@1\n{header}")
+          f"copy levels {','.join(map(str, copy_levels)) or '-'}; greedy pass@1\n{header}")
     for label, row in rows.items():
-        tool, direct, terminal = row["tool"], row["no_tool"], row.get("terminal")
+        tool, direct, terminal, copied = row["tool"], row["no_tool"], row.get("terminal"), row.get("copy")
         calls = tool["tool_calls"] / tool["trajectories"]
         print(f"{label:<10} {share(tool['pass_rate']):>9} {share(direct['pass_rate']):>8} "
               f"{share(tool['well_formed']):>11} {tool['turns']:>6.2f} {calls:>6.2f} "
               + (f"{share(terminal['pass_rate']):>9} {share(terminal['well_formed']):>11} {terminal['turns']:>6.2f}"
-                 if terminal else f"{'-':>9} {'-':>11} {'-':>6}"))
+                 if terminal else f"{'-':>9} {'-':>11} {'-':>6}")
+              + f" {share(copied['pass_rate'] if copied else None):>6}")
     for label, row in rows.items():
         for name, summary in row.items():
             by_level = ", ".join(f"L{level} {share(value)}" for level, value in summary["by_level"].items())

@@ -70,6 +70,31 @@ def test_foreign_tokenizer_keeps_its_ids_and_gains_missing_specials(tmp_path):
     assert len(set(foreign.special_ids.values())) == len(SPECIAL_TOKENS)
 
 
+NUMBERS = ["What is 123456789 * 987?", "print(123456789 * 987)", "\\boxed{123456789}",
+           "<tool_response>\n123456789\n"] * 20
+
+
+def test_digits_are_spelt_alike_wherever_a_number_stands():
+    """By default every digit is a token, so the number a tool printed after a newline is the same ids inside a
+    call's "(" or an answer's "{"; GPT-2's merged digits ("merged") spell it differently after a space."""
+    def spelt_alike(tokenizer):
+        number = tokenizer.encode("123456789")
+        return [any(ids[k:k + len(number)] == number for k in range(len(ids)))
+                for ids in map(tokenizer.encode, NUMBERS[:4])]
+    individual = Tokenizer.train(NUMBERS + TEXTS, vocab_size=600)
+    assert len(individual.encode("123456789")) == 9
+    assert spelt_alike(individual) == [True] * 4
+    merged = Tokenizer.train(NUMBERS + TEXTS, vocab_size=600, digits="merged")
+    assert len(merged.encode(" 123456789")) < 9  # runs of digits merged, as before `digits` existed
+    assert not all(spelt_alike(merged))
+    for text in NUMBERS[:4]:
+        assert individual.decode(individual.encode(text)) == text
+    with pytest.raises(ValueError, match="tokenizer digits: expected one of"):
+        Tokenizer.train(TEXTS, vocab_size=600, digits="grouped")
+    with pytest.raises(ValueError, match="data.tokenizer_digits: expected one of individual, merged"):
+        DataConfig(tokenizer_digits="grouped")
+
+
 def test_vocab_size_too_small():
     with pytest.raises(ValueError, match="vocab_size: 100 is too small"):
         Tokenizer.train(TEXTS, vocab_size=100)
@@ -89,6 +114,8 @@ def test_cache_reuse_and_key(tmp_path, monkeypatch):
         cached_tokenizer(texts, "fingerprint-b", 600, tmp_path, 10_000)
     with pytest.raises(AssertionError, match="trained again"):
         cached_tokenizer(texts, "fingerprint-a", 700, tmp_path, 10_000)
+    with pytest.raises(AssertionError, match="trained again"):  # the digits rule is part of the key
+        cached_tokenizer(texts, "fingerprint-a", 600, tmp_path, 10_000, digits="merged")
 
 
 def test_training_sample_is_deterministic_and_capped():

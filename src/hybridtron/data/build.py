@@ -30,7 +30,7 @@ from hybridtron.data.loader import BucketDocs, PackedLoader, validation_batches
 from hybridtron.data.mixture import BucketPlan, MixtureReport, mixture_weights, proxy_keep
 from hybridtron.data.packing import TokenStore, cached_tokens
 from hybridtron.data.stdlib import stdlib_documents, stdlib_files, stdlib_repo_documents
-from hybridtron.data.tokenizer import Tokenizer, cached_tokenizer
+from hybridtron.data.tokenizer import DIGITS, Tokenizer, cached_tokenizer
 
 BUILTIN_SOURCES = ("stdlib", "stdlib-repos")
 
@@ -59,6 +59,9 @@ class DataConfig:
     tokenizer: str | None = None  # a tokenizer.json (or its directory) to use; None = train BPE on the corpus
     vocab_size: int = 4096  # size of the trained BPE vocabulary (special tokens included)
     tokenizer_train_chars: int = 16_000_000  # characters of the deterministic corpus sample BPE learns from
+    tokenizer_digits: str = "individual"  # "individual": every digit a token (LLaMA, Qwen2), so a number is spelt
+    #   alike wherever it stands and a model can copy it from a prompt or a tool's output; "merged": BPE merges digit
+    #   runs as GPT-2's does (the same number then splits differently after a space, a "(" or a "{")
     # packing and batches (a training run passes its own to build_data, which override these)
     seq_len: int = 512  # tokens per row
     batch_size: int = 8  # rows per batch
@@ -99,6 +102,9 @@ class DataConfig:
         for name in ("max_documents", "total_tokens", "proxy_of", "val_batches"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"data.{name}: expected a positive integer or None, got {getattr(self, name)}")
+        if self.tokenizer_digits not in DIGITS:
+            raise ValueError(f"data.tokenizer_digits: expected one of {', '.join(DIGITS)}, "
+                             f"got {self.tokenizer_digits!r}")
         if not isinstance(self.document_mask, bool):
             raise ValueError(f"data.document_mask: expected true or false, got {self.document_mask!r}")
         if not 0 <= self.val_fraction < 1:
@@ -214,7 +220,7 @@ def build_data(config: DataConfig, *, seq_len: int | None = None, batch_size: in
         tokenizer = Tokenizer.load(config.tokenizer)
     else:
         tokenizer = cached_tokenizer([(d.doc_id, d.text) for d in documents], fingerprint, config.vocab_size,
-                                     cache_dir, config.tokenizer_train_chars)
+                                     cache_dir, config.tokenizer_train_chars, config.tokenizer_digits)
     seconds["tokenizer"] = time.perf_counter() - clock
 
     clock = time.perf_counter()

@@ -1,8 +1,11 @@
 """Byte-level BPE tokenizer (Hugging Face `tokenizers`), trained on the corpus on first use and cached.
 
 Recipe: GPT-2 style byte-level pre-tokenization (lossless for any UTF-8 text, so `decode(encode(s)) == s`),
-BPE merges learned from a deterministic sample of the corpus (documents ordered by a hash of their id, taken
-until `max_train_chars`), `min_frequency=2`. The special tokens come first so their ids are fixed and match
+by default after splitting every digit off as its own pre-token (`digits="individual"`, as LLaMA's SentencePiece
+`split_digits` and Qwen2's `\p{N}` pattern do: GPT-2's merges spell a number differently after a space, a "(" or a
+"{", so a model cannot copy it token for token from a prompt or a tool's output into a call or an answer), BPE
+merges learned from a deterministic sample of the corpus (documents ordered by a hash of their id, taken until
+`max_train_chars`), `min_frequency=2`. The special tokens come first so their ids are fixed and match
 `ModelConfig`'s defaults: pad=0, bos=1, eos=2, then the chat, reasoning, rollout-outcome, file-header and tool
 tokens that post-training and the data mixture use (`SPECIAL_TOKENS`).
 
@@ -45,6 +48,7 @@ ALIASES = {
     EOS: ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[EOS]"),
 }
 RECIPE_VERSION = 1
+DIGITS = ("individual", "merged")
 MIN_VOCAB_SIZE = 512  # 256 byte symbols + the special tokens + room for merges
 
 
@@ -74,12 +78,17 @@ class Tokenizer:
 
     # ------------------------------------------------------------------------------------ construction
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int) -> "Tokenizer":
-        """Learn byte-level BPE merges on `texts`; ids 0.. are `SPECIAL_TOKENS` in order."""
+    def train(cls, texts: Iterable[str], vocab_size: int, digits: str = "individual") -> "Tokenizer":
+        """Learn byte-level BPE merges on `texts`; ids 0.. are `SPECIAL_TOKENS` in order. `digits` (`DIGITS`):
+        "merged" lets BPE merge a run of digits as it merges letters; "individual" makes every digit a token."""
         if vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size: {vocab_size} is too small; expected at least {MIN_VOCAB_SIZE}")
+        if digits not in DIGITS:
+            raise ValueError(f"tokenizer digits: expected one of {DIGITS}, got {digits!r}")
         backend = BackendTokenizer(models.BPE())
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.pre_tokenizer = byte_level if digits == "merged" else pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
@@ -176,14 +185,16 @@ def cached_tokenizer(
     vocab_size: int,
     cache_dir: str | os.PathLike,
     max_train_chars: int,
+    digits: str = "individual",
 ) -> Tokenizer:
     """Train (or reuse from `cache_dir`) the byte-level BPE tokenizer of a corpus."""
-    key_text = json.dumps([corpus_fingerprint, vocab_size, max_train_chars, RECIPE_VERSION])
+    recipe = [corpus_fingerprint, vocab_size, max_train_chars, RECIPE_VERSION]
+    key_text = json.dumps(recipe + ([digits] if digits != "merged" else []))  # merged: the keys from before `digits`
     key = hashlib.sha256(key_text.encode()).hexdigest()[:16]
     path = Path(cache_dir) / "tokenizers" / key / "tokenizer.json"
     if path.is_file():
         return Tokenizer.load(path)
-    tokenizer = Tokenizer.train(training_sample(texts_by_id, max_train_chars), vocab_size)
+    tokenizer = Tokenizer.train(training_sample(texts_by_id, max_train_chars), vocab_size, digits)
     tokenizer.save(path)
     return tokenizer
 

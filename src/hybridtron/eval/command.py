@@ -83,7 +83,7 @@ def run(args) -> int:
 def add_tasks_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="an HF checkpoint directory with its tokenizer files and chat "
                                                        "template, or a run directory with an hf/ export (required)")
-    parser.add_argument("--env", default="math", help="environments, comma-separated: math, code (default: math)")
+    parser.add_argument("--env", default="math", help="environments, comma-separated: math, code, copy (default: math)")
     parser.add_argument("--levels", help="difficulty levels, e.g. 1,2 (default: each environment's own)")
     parser.add_argument("--tasks", type=int, default=200, help="test-split tasks per environment (default: 200)")
     parser.add_argument("--samples", type=int, default=1, help="completions per task; above 1 needs --temperature "

@@ -66,7 +66,7 @@ MICRO_GRPO = {"grpo.group_size": 2, "grpo.prompts_per_step": 2, "grpo.task_pool"
               "grpo.mtp_loss_weight": 0.0, "train.grad_accum": 1}
 MICRO_MOPD = {"mopd.prompts_per_step": 4, "mopd.max_new_tokens": 6, "mopd.speculative": False, "mopd.task_pool": 8,
               "train.grad_accum": 1, "mopd.kl_top_k": 4}
-# An expert terminal trajectory (the tool's declaration, the task, its turns) is 383-609 tokens of the tiny tokenizer
+# An expert terminal trajectory (the tool's declaration, the task, its turns) is 383-605 tokens of the tiny tokenizer
 # (at 512, a quarter of them lost their last turns) and ~800 of the micro one's: rows that hold one whole, as many
 # tokens a micro-batch as SFT's 8 x 256
 AGENTIC_ROWS = {"sft.seq_len": 1024, "sft.batch_size": 2}
