@@ -91,7 +91,7 @@ def test_max_tokens_beyond_the_context_is_refused_before_any_completion(checkpoi
     (["--max-tokens", "0"], "--max-tokens 0: expected an integer >= 1"),
     (["--temperature", "-1"], "--temperature -1.0: expected >= 0"),
     (["--threads", "-1"], "--threads -1"),
-    (["--env", "banana"], "--env 'banana': unknown environment; known: code, math"),
+    (["--env", "banana"], "--env 'banana': unknown environment; known: code, copy, math"),
     (["--env", ","], "--env ',': unknown environment"),
     (["--levels", "1,x"], "--levels 1,x: expected difficulty levels"),
     (["--levels", "9"], "--levels 9: math: levels must be"),

@@ -574,7 +574,7 @@ def test_malformed_config_values_are_clear_errors(policy_dir, tmp_path, capsys, 
 
 def test_bad_inputs_are_clear_errors(policy_dir, tmp_path, capsys):
     assert cli_main(["grpo", "--model", str(policy_dir), "--env", "chess", "--out", str(tmp_path / "a")]) == 2
-    assert "unknown environment; known: code, math" in capsys.readouterr().err
+    assert "unknown environment; known: code, copy, math" in capsys.readouterr().err
     assert cli_main(["grpo", "--model", str(policy_dir), "--env", "nowhere:Env", "--out", str(tmp_path / "a")]) == 2
     assert "cannot import Env from nowhere" in capsys.readouterr().err
     base = tmp_path / "base"  # a pretrained model: the chat tokens, but no chat template

@@ -316,7 +316,7 @@ def _other_template(tmp_path: Path, base_model: Path) -> Path:
 
 
 @pytest.mark.parametrize("case, message", [
-    ("env:chess", "--data env:chess: unknown environment 'chess'; known: code, math"),
+    ("env:chess", "--data env:chess: unknown environment 'chess'; known: code, copy, math"),
     ("malformed", "bad.jsonl line 2"),
     ("no tokenizer", "tokenizer.json does not exist"),
     ("no chat tokens", "the model was not trained with hybridtron's chat format"),

@@ -67,6 +67,21 @@ def test_an_unfinished_run_is_continued_only_with_resume(finished_run, cache, tm
     assert "this run is complete" in capsys.readouterr().out
 
 
+def test_a_run_saved_before_tokenizer_digits_existed_resumes_with_merged_digits(cache, tmp_path, capsys):
+    """A run_config.json written before `data.tokenizer_digits` existed ran with GPT-2's merged digits: a resume
+    keeps them (with today's default its data would not match its loader state), and a new run from it too."""
+    run_dir = tmp_path / "old"
+    assert main(["pretrain", "--out", str(run_dir), *FAST, "--set", "data.tokenizer_digits=merged"]) == 0
+    saved = json.loads((run_dir / "run_config.json").read_text())
+    del saved["data"]["tokenizer_digits"]
+    (run_dir / "run_config.json").write_text(json.dumps(saved))
+    assert RunConfig.load(run_dir / "run_config.json").data.tokenizer_digits == "merged"
+    assert RunConfig().data.tokenizer_digits == "individual"
+    steps = [arg if arg != "2" else "3" for arg in FAST]
+    assert main(["pretrain", "--out", str(run_dir), *steps, "--resume"]) == 0, capsys.readouterr().err
+    assert json.loads((run_dir / "run_config.json").read_text())["data"]["tokenizer_digits"] == "merged"
+
+
 def test_tensorboard_event_files_are_written(finished_run):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     files = list((finished_run / "tensorboard").glob("events.out.tfevents.*"))

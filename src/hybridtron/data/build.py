@@ -85,6 +85,9 @@ class DataConfig:
     # caches live may change on resume (hybridtron.train.config). document_mask leaves the stream as it is but
     # changes what the model computes on it, so a resume keeps it too
     RESUMABLE: ClassVar = ("cache_dir",)
+    # fields added after runs were saved, with the value a run_config.json without them ran with (it is resumed, and
+    # a new run from it made, with that value)
+    SAVED_WITHOUT: ClassVar = {"tokenizer_digits": "merged"}
 
     def __post_init__(self):
         for name in ("source", "rollouts", "families"):

@@ -211,7 +211,8 @@ class SectionedConfig:
             if hint is ModelConfig:
                 values[f.name] = ModelConfig.from_hf(raw[f.name])
             elif dataclasses.is_dataclass(hint):
-                values[f.name] = build_section(hint, raw[f.name], f.name)
+                # a field added since: the run was saved without it, so it ran with the value the section names
+                values[f.name] = build_section(hint, {**getattr(hint, "SAVED_WITHOUT", {}), **raw[f.name]}, f.name)
             else:
                 values[f.name] = raw[f.name]
         if missing:
