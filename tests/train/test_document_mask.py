@@ -85,6 +85,6 @@ def test_pipeline_inputs_and_corrupt_batches_keep_seq_idx():
             return [batch]
 
     injector = FaultInjector(MonitorConfig(inject_fault="corrupt_batch@1"), SimpleNamespace(write=lambda *a: None))
-    [corrupt] = CorruptingBatches(Source(), injector, vocab_size=50).next_step()
-    assert not torch.equal(corrupt.input_ids, ids) and (corrupt.labels == 49).all()
+    [corrupt] = CorruptingBatches(Source(), injector, vocab_size=50, never_target_id=0).next_step()
+    assert not torch.equal(corrupt.input_ids, ids) and (corrupt.labels == 0).all()
     assert corrupt.seq_idx is seq_idx  # the garbage keeps the batch's documents

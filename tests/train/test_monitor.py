@@ -66,7 +66,7 @@ def make_trainer(tmp_path, small_config, *, steps=40, checkpoint_every=10, monit
     val = [ProgressionLoader(model_config.vocab_size).__next__()]
     monitor, faults = build_monitor(monitor_config, tmp_path, model_config, stream=io.StringIO())
     if faults is not None:  # the drill wraps the batches and installs itself as a hook
-        batches = faults.wrap_batches(batches, model_config.vocab_size)
+        batches = faults.wrap_batches(batches, model_config.vocab_size, model_config.pad_token_id)
         hooks = (*hooks, faults)
     return Trainer(model, PretrainObjective(), batches, config, CheckpointManager(tmp_path / "checkpoints", keep=10),
                    hooks=[H.MetricsLogger(tmp_path), *hooks],

@@ -567,7 +567,7 @@ def assemble_trainer(model, objective, batches, evaluators, *, train, monitor_co
     if not hasattr(batches, "next_step"):  # a loader: grad_accum of its micro-batches a step
         batches = LoaderBatches(batches, train.grad_accum)
         if faults is not None:
-            batches = faults.wrap_batches(batches, model.config.vocab_size)
+            batches = faults.wrap_batches(batches, model.config.vocab_size, model.config.pad_token_id)
         batches = DataParallelBatches(batches, parallel, model.config.mtp_depths)
     hooks = [MetricsLogger(out, every=train.log_every)] if main else []
     if not quiet and main:

@@ -1,9 +1,10 @@
 """Fault injection, for tests and drills only (off by default): `monitor.inject_fault = "KIND@STEP[,KIND@STEP...]"`.
 
     lr_spike       the LR x inject_lr_factor for that step's update
-    corrupt_batch  that step's batches replaced by random tokens whose labels are all one never-seen token (the last
-                   vocabulary id, whose probability keeps falling): a huge-loss batch. Random labels alone cost only
-                   about log(vocab), within the noise of a small batch
+    corrupt_batch  that step's batches replaced by random tokens whose labels are all one never-seen token (the padding
+                   id: packed pretraining rows never predict it, so its probability keeps falling): a huge-loss batch.
+                   Random labels alone cost only about log(vocab), within the noise of a small batch; the last
+                   vocabulary id, used before, is an ordinary merge of some tokenizers
     nan_grad       a NaN in one element of the final norm's weight gradient (every token's gradient passes there)
     router_bias    after that step's update, the first router's bias of expert 0 raised by inject_router_bias, so
                    that expert takes every token
@@ -82,8 +83,8 @@ class FaultInjector(Hook):
             self.fire("router_bias", stats.step)
             trainer.model.router_biases()[0][0] += self.config.inject_router_bias
 
-    def wrap_batches(self, batches, vocab_size: int) -> "CorruptingBatches":
-        return CorruptingBatches(batches, self, vocab_size)
+    def wrap_batches(self, batches, vocab_size: int, never_target_id: int) -> "CorruptingBatches":
+        return CorruptingBatches(batches, self, vocab_size, never_target_id)
 
     def state_dict(self) -> dict:
         return {"fired": sorted(self.fired)}
@@ -96,8 +97,9 @@ class CorruptingBatches:
     """A batch source of `TokenBatch` micro-batches whose corrupt_batch steps come back as garbage (the ids and
     labels replaced; the rest, seq_idx among it, kept)."""
 
-    def __init__(self, batches, injector: FaultInjector, vocab_size: int):
+    def __init__(self, batches, injector: FaultInjector, vocab_size: int, never_target_id: int):
         self.batches, self.injector, self.vocab_size = batches, injector, vocab_size
+        self.never_target_id = never_target_id
 
     def next_step(self):
         micro_batches = self.batches.next_step()
@@ -108,7 +110,7 @@ class CorruptingBatches:
         generator = torch.Generator().manual_seed(1234)
         return [replace(batch, input_ids=torch.randint(0, self.vocab_size, batch.input_ids.shape,
                                                        generator=generator).to(batch.input_ids.device),
-                        labels=torch.full_like(batch.labels, self.vocab_size - 1))
+                        labels=torch.full_like(batch.labels, self.never_target_id))
                 for batch in map(as_token_batch, micro_batches)]
 
     def sync_weights(self, model, version: int, total_steps: int) -> None:
