@@ -49,7 +49,7 @@ HELD_OUT = PHASE_DATA.val_fraction
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="eval_command", metavar="SUBCOMMAND", required=True)
-    add_tasks_arguments(sub.add_parser("tasks", help="pass@k on the held-out tasks of environments (math, code)",
+    add_tasks_arguments(sub.add_parser("tasks", help="pass@k on the held-out tasks of environments (math, code, copy)",
                                        description="pass@1 (pass@k with --samples) on environments' test splits"))
     add_loss_arguments(sub.add_parser("loss", help="held-out loss by position bucket on long documents",
                                       description="held-out next-token loss by position bucket at each length"))
