@@ -16,6 +16,7 @@ import string
 from typing import Sequence
 
 from hybridtron.envs.base import Environment, Task, register
+from hybridtron.envs.math_python import answer_turn  # worded as math-python's answer, so the skill carries over
 from hybridtron.envs.math_verify import extract_answer
 
 LEVELS = (1, 2, 3)
@@ -32,11 +33,6 @@ def _name(rng: random.Random) -> str:
 
 
 GENERATORS = {1: lambda rng: _number(rng, 3, 9), 2: lambda rng: _number(rng, 10, 18), 3: _name}
-
-
-def answer_turn(text: str) -> str:
-    """The final turn, worded as `math-python`'s answer so the skill carries over."""
-    return f"The answer is \\boxed{{{text}}}."
 
 
 @register("copy")

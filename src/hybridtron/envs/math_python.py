@@ -100,7 +100,8 @@ def python_call_turn(code: str, lead: str = "") -> str:
     return call_turn("python", {"code": code}, lead)
 
 
-def _answer_turn(value: str, lead: str = "The answer is") -> str:
+def answer_turn(value: str, lead: str = "The answer is") -> str:
+    """A final turn: `lead`, then `value` in `\\boxed{}` (the `copy` environment's answers are worded so too)."""
     return f"{lead} \\boxed{{{value}}}."
 
 
@@ -168,13 +169,13 @@ class MathPythonEnv(Environment):
         estimate = str(round(int(task.answer), 2 - len(task.answer)))  # two significant digits, as from the head
         guess = estimate if estimate != task.answer else near_miss(task.answer, rng)
         plans = {
-            "direct": lambda outputs: _answer_turn(_printed(outputs)) if outputs else task.reference,
+            "direct": lambda outputs: answer_turn(_printed(outputs)) if outputs else task.reference,
             "recover": lambda outputs: typo if not outputs else python_call_turn(code, "I misspelt print; again:")
-            if len(outputs) == 1 else _answer_turn(_printed(outputs)),
-            "guess": lambda outputs: _answer_turn(guess, "Without running anything, I estimate"),
-            "typo_then_guess": lambda outputs: _answer_turn(guess, "The program failed, so I estimate")
+            if len(outputs) == 1 else answer_turn(_printed(outputs)),
+            "guess": lambda outputs: answer_turn(guess, "Without running anything, I estimate"),
+            "typo_then_guess": lambda outputs: answer_turn(guess, "The program failed, so I estimate")
             if outputs else typo,
-            "misread": lambda outputs: _answer_turn(near_miss(_printed(outputs), rng)) if outputs else task.reference,
+            "misread": lambda outputs: answer_turn(near_miss(_printed(outputs), rng)) if outputs else task.reference,
         }
         if not failure:
             order = ["recover", "direct"] if rng.random() < 0.25 else ["direct"]
