@@ -10,6 +10,7 @@ from hybridtron.post.rl.roles.base import (ERROR, STOP, Message, ReplicaPlace, R
                                            RoleSpec, Stage, error_message)
 
 POLL_S = 0.5  # how often a waiting learner checks that the role processes are alive
+DEATH_GRACE_S = 1.0  # how long a replica's error waits for a peer's death to show (the death is the cause to name)
 
 
 def serve_stage(spec: RoleSpec, replica: ReplicaPlace | None, inbox, outboxes: list) -> None:
@@ -76,8 +77,15 @@ class ProcessBackend(RoleBackend):
                     raise RoleError(f"no output from the roles for {self.timeout_s:.0f}s "
                                     f"(roles: {', '.join(self.names)})") from None
                 continue
-            if message.kind == ERROR:  # a replica whose peer died fails in their exchange: name the dead one
-                self.check_processes(crashed_only=True)
+            if message.kind == ERROR and len(self.processes) > 1:
+                # a replica whose peer died fails in their exchange: name the dead one. The peer's error can arrive
+                # while the dead process is still exiting (its sockets closed, not yet reaped), so look a moment longer
+                grace = time.monotonic() + DEATH_GRACE_S
+                while True:
+                    self.check_processes(crashed_only=True)
+                    if time.monotonic() > grace:
+                        break
+                    time.sleep(0.05)
             return message
 
     def check_processes(self, crashed_only: bool = False) -> None:
